@@ -1,0 +1,127 @@
+// The one pybind11 module, kt_sft._C. Tensors arrive as (data_ptr, dtype, shape) tuples made by
+// kt_sft/_ext.py from contiguous CPU tensors; the C++ side re-checks dtype and shape.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../kernels/dispatch.h"
+#include "../moe/experts.h"
+#include "../moe/runtime.h"
+
+namespace py = pybind11;
+using namespace kt;
+
+namespace {
+
+View to_view(const py::object& o) {
+  View v;
+  if (o.is_none()) return v;
+  auto t = o.cast<py::tuple>();
+  v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
+  auto dt = t[1].cast<std::string>();
+  if (dt == "float32")
+    v.dtype = DType::f32;
+  else if (dt == "bfloat16")
+    v.dtype = DType::bf16;
+  else if (dt == "int64")
+    v.dtype = DType::i64;
+  else
+    throw std::invalid_argument("tensors of dtype " + dt + " cannot cross into the expert engine.");
+  v.shape = t[2].cast<std::vector<int64_t>>();
+  return v;
+}
+
+Lora to_lora(int r, float scale, const py::list& mats) {
+  Lora l;
+  l.r = r;
+  l.scale = scale;
+  if (mats.size() != 6) throw std::invalid_argument("LoRA takes [A_gate, B_gate, A_up, B_up, A_down, B_down].");
+  for (int p = 0; p < 3; ++p) {
+    l.A[p] = to_view(mats[2 * p]);
+    l.B[p] = to_view(mats[2 * p + 1]);
+  }
+  return l;
+}
+
+// A call in flight: wait() releases the GIL while the engine runs.
+struct Pending {
+  std::shared_ptr<Ticket> ticket;
+  std::shared_ptr<std::shared_ptr<Saved>> result;
+  py::object wait() {
+    {
+      py::gil_scoped_release nogil;
+      ticket->wait();
+    }
+    if (result && *result) return py::cast(*result);
+    return py::none();
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "kt_sft CPU expert engine";
+  py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved").def_property_readonly("bytes", [](const Saved& s) { return s.bytes; });
+  py::class_<Pending>(m, "Pending").def("wait", &Pending::wait).def("done", [](Pending& p) { return p.ticket->done(); });
+
+  py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
+      .def(py::init([](int E, int H, int I, py::object gu, py::object down) {
+             return std::make_shared<MoeExperts>(E, H, I, to_view(gu), to_view(down));
+           }),
+           py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"))
+      .def("forward",
+           [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
+              float scale, py::list lora, bool save) {
+             View vx = to_view(x), vi = to_view(idx), vw = to_view(w), vo = to_view(out);
+             Lora l = to_lora(r, scale, lora);
+             auto result = std::make_shared<std::shared_ptr<Saved>>();
+             auto ticket = Runtime::get().queue().submit(
+                 [=] { *result = self->forward(vx, vi, vw, vo, l, save); });
+             return Pending{ticket, result};
+           })
+      .def("backward",
+           [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
+              float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
+              py::object d_down) {
+             if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
+             View vx = to_view(x), vd = to_view(dout);
+             Lora l = to_lora(r, scale, lora);
+             Lora lg = to_lora(r, scale, lora_grads);
+             Grads g;
+             g.dx = to_view(dx);
+             g.dw = to_view(dw);
+             for (int p = 0; p < 3; ++p) {
+               g.dA[p] = lg.A[p];
+               g.dB[p] = lg.B[p];
+             }
+             g.d_gate_up = to_view(d_gate_up);
+             g.d_down = to_view(d_down);
+             auto ticket = Runtime::get().queue().submit([=] { self->backward(*saved, vx, vd, l, g); });
+             return Pending{ticket, nullptr};
+           })
+      .def_property_readonly("E", &MoeExperts::E)
+      .def_property_readonly("H", &MoeExperts::H)
+      .def_property_readonly("I", &MoeExperts::I);
+
+  m.def("configure", [](int threads, bool pin, const std::string& kernels) {
+    py::gil_scoped_release nogil;
+    Runtime::get().configure(threads, pin, kernels);
+  });
+  m.def("capabilities", [] {
+    CpuFeatures f = cpu_features();
+    Runtime& rt = Runtime::get();
+    py::dict d;
+    d["cpu"] = py::dict(py::arg("avx2_fma") = f.avx2_fma, py::arg("avx512") = f.avx512,
+                        py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_bf16") = f.amx_bf16);
+    d["runnable_kernels"] = runnable_kernel_sets();
+    try {
+      d["kernels"] = std::string(rt.kernels().name);
+    } catch (const std::exception&) {
+      d["kernels"] = py::none();
+    }
+    d["threads"] = rt.threads();
+    d["pinned"] = rt.pool().pinned();
+    d["scratch_bytes"] = rt.scratch().bytes();
+    return d;
+  });
+  m.def("scratch_floats", &MoeExperts::scratch_floats);
+}

@@ -1,0 +1,206 @@
+// The generic kernel bodies, written once on a `Simd` traits struct (simd_*.h) and compiled once per
+// ISA by reference.cpp / avx2.cpp / avx512.cpp / avx512_bf16.cpp, each inside its own namespace.
+// Include only after a simd_*.h header; everything here has internal linkage, so code built with
+// wider instructions never leaks into another ISA's object file.
+//
+// Determinism: every output element is reduced by one fixed chain (lanes over k, then one
+// horizontal sum, then the k tail), whatever the tile it falls in, so results do not depend on
+// how the engine splits work across threads.
+#pragma once
+#include <algorithm>
+#include <cmath>
+
+#include "kernels.h"
+
+namespace {
+
+using kt::bf16;
+using kt::GemmNN;
+using kt::GemmNT;
+using V = Simd::V;
+constexpr int W = Simd::W;
+
+// Register tiles. Dot form: MR×NR accumulators plus NR B vectors (A comes from memory operands):
+// 16 of 32 zmm on AVX-512, 12 + 4 = 16 ymm on AVX2. Axpy form: MR×NV accumulators + NV B vectors
+// + 1 broadcast: 24 + 4 + 1 zmm, 9 + 3 + 1 ymm.
+constexpr int NT_MR = W == 8 ? 3 : 4;
+constexpr int NT_NR = 4;
+constexpr int NN_MR = W == 16 ? 6 : (W == 8 ? 3 : 4);
+constexpr int NN_NV = W == 16 ? 4 : (W == 8 ? 3 : 4);
+
+inline void store_out(float* c, float alpha, float v, bool accumulate) {
+  *c = accumulate ? *c + alpha * v : alpha * v;
+}
+
+template <class TB>
+void nt_tile(const GemmNT<TB>& g, int m0, int mr, int n0, int nr) {
+  const float* a[NT_MR];
+  const TB* b[NT_NR];
+  // Rows past the edge repeat the last real row; their results are computed and dropped.
+  for (int i = 0; i < NT_MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1));
+  for (int j = 0; j < NT_NR; ++j) b[j] = g.b.at(n0 + std::min(j, nr - 1));
+  V acc[NT_MR][NT_NR];
+  for (int i = 0; i < NT_MR; ++i)
+    for (int j = 0; j < NT_NR; ++j) acc[i][j] = Simd::zero();
+  const int kv = g.K - g.K % W;
+  for (int k = 0; k < kv; k += W) {
+    V bv[NT_NR];
+    for (int j = 0; j < NT_NR; ++j) bv[j] = Simd::load(b[j] + k);
+    for (int i = 0; i < NT_MR; ++i) {
+      V av = Simd::load(a[i] + k);
+      for (int j = 0; j < NT_NR; ++j) acc[i][j] = Simd::fma(av, bv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    for (int j = 0; j < nr; ++j) {
+      float s = Simd::hsum(acc[i][j]);
+      for (int k = kv; k < g.K; ++k) s = std::fma(a[i][k], kt::to_f32(b[j][k]), s);
+      store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, s, g.accumulate);
+    }
+  }
+}
+
+template <class TB>
+void gemm_nt(const GemmNT<TB>& g) {
+  for (int n0 = 0; n0 < g.N; n0 += NT_NR) {
+    const int nr = std::min(NT_NR, g.N - n0);
+    for (int m0 = 0; m0 < g.M; m0 += NT_MR) nt_tile(g, m0, std::min(NT_MR, g.M - m0), n0, nr);
+  }
+}
+
+template <bool Trans, class TB>
+inline float a_elem(const GemmNN<TB>& g, long m, long k) {
+  if (Trans) {
+    float v = g.a.at(k)[g.a_off + m];
+    return g.kscale ? v * g.kscale[k] : v;
+  }
+  return g.a.at(m)[g.a_off + k];
+}
+
+// MR rows × NV vectors of columns starting at n0, reduced over all of K.
+template <bool Trans, class TB>
+void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0) {
+  V acc[NN_MR][NN_NV];
+  for (int i = 0; i < NN_MR; ++i)
+    for (int v = 0; v < NN_NV; ++v) acc[i][v] = Simd::zero();
+  const float* arow[NN_MR];
+  if (!Trans)
+    for (int i = 0; i < NN_MR; ++i) arow[i] = g.a.at(m0 + std::min(i, mr - 1)) + g.a_off;
+  for (int k = 0; k < g.K; ++k) {
+    const TB* br = g.b.at(k) + g.b_off + n0;
+    V bv[NN_NV];
+    for (int v = 0; v < NN_NV; ++v) bv[v] = Simd::load(br + v * W);
+    const float* acol = Trans ? g.a.at(k) + g.a_off + m0 : nullptr;
+    const float ks = Trans && g.kscale ? g.kscale[k] : 1.f;
+    for (int i = 0; i < NN_MR; ++i) {
+      float av = Trans ? acol[std::min(i, mr - 1)] * ks : arow[i][k];
+      V avv = Simd::set1(av);
+      for (int v = 0; v < NN_NV; ++v) acc[i][v] = Simd::fma(avv, bv[v], acc[i][v]);
+    }
+  }
+  float lane[W];
+  for (int i = 0; i < mr; ++i) {
+    float* c = g.c + long(m0 + i) * g.ldc + n0;
+    for (int v = 0; v < NN_NV; ++v) {
+      Simd::store(lane, acc[i][v]);
+      for (int l = 0; l < W; ++l) store_out(c + v * W + l, g.alpha, lane[l], g.accumulate);
+    }
+  }
+}
+
+// Columns past the last full tile: one column at a time, the same k chain as a vector lane.
+template <bool Trans, class TB>
+void nn_column(const GemmNN<TB>& g, int n) {
+  for (int m = 0; m < g.M; ++m) {
+    float s = 0.f;
+    for (int k = 0; k < g.K; ++k) s = std::fma(a_elem<Trans>(g, m, k), kt::to_f32(g.b.at(k)[g.b_off + n]), s);
+    store_out(g.c + long(m) * g.ldc + n, g.alpha, s, g.accumulate);
+  }
+}
+
+template <bool Trans, class TB>
+void gemm_nn_impl(const GemmNN<TB>& g) {
+  constexpr int NB = NN_NV * W;
+  const int nfull = g.N - g.N % NB;
+  for (int n0 = 0; n0 < nfull; n0 += NB)
+    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans>(g, m0, std::min(NN_MR, g.M - m0), n0);
+  for (int n = nfull; n < g.N; ++n) nn_column<Trans>(g, n);
+}
+
+template <class TB>
+void gemm_nn(const GemmNN<TB>& g) {
+  if (g.a_trans)
+    gemm_nn_impl<true>(g);
+  else
+    gemm_nn_impl<false>(g);
+}
+
+inline V sigmoid(V x) { return Simd::div(Simd::set1(1.f), Simd::add(Simd::set1(1.f), Simd::exp(Simd::mul(x, Simd::set1(-1.f))))); }
+inline float sigmoid1(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+void silu_mul(long n, const float* g, const float* u, float* h) {
+  long i = 0;
+  for (; i + W <= n; i += W) {
+    V gv = Simd::load(g + i);
+    Simd::store(h + i, Simd::mul(Simd::mul(gv, sigmoid(gv)), Simd::load(u + i)));
+  }
+  for (; i < n; ++i) h[i] = g[i] * sigmoid1(g[i]) * u[i];
+}
+
+// silu'(g) = s·(1 + g·(1 − s)) with s = sigmoid(g).
+void silu_mul_backward(long n, const float* g, const float* u, const float* dh, float* dg, float* du) {
+  long i = 0;
+  const V one = Simd::set1(1.f);
+  for (; i + W <= n; i += W) {
+    V gv = Simd::load(g + i), s = sigmoid(gv), dhv = Simd::load(dh + i);
+    V dsilu = Simd::mul(s, Simd::fma(gv, Simd::add(one, Simd::mul(s, Simd::set1(-1.f))), one));
+    Simd::store(dg + i, Simd::mul(Simd::mul(dhv, Simd::load(u + i)), dsilu));
+    Simd::store(du + i, Simd::mul(dhv, Simd::mul(gv, s)));
+  }
+  for (; i < n; ++i) {
+    float s = sigmoid1(g[i]);
+    dg[i] = dh[i] * u[i] * (s * (1.f + g[i] * (1.f - s)));
+    du[i] = dh[i] * (g[i] * s);
+  }
+}
+
+void bf16_to_f32(long n, const bf16* src, float* dst) {
+  long i = 0;
+  for (; i + W <= n; i += W) Simd::store(dst + i, Simd::load(src + i));
+  for (; i < n; ++i) dst[i] = kt::bf16_to_f32(src[i]);
+}
+
+void f32_to_bf16(long n, const float* src, bf16* dst) {
+  for (long i = 0; i < n; ++i) dst[i] = kt::f32_to_bf16(src[i]);
+}
+
+void scale(long n, float alpha, float* x) {
+  long i = 0;
+  const V av = Simd::set1(alpha);
+  for (; i + W <= n; i += W) Simd::store(x + i, Simd::mul(av, Simd::load(x + i)));
+  for (; i < n; ++i) x[i] *= alpha;
+}
+
+void axpy(long n, float alpha, const float* x, float* y) {
+  long i = 0;
+  const V av = Simd::set1(alpha);
+  for (; i + W <= n; i += W) Simd::store(y + i, Simd::fma(av, Simd::load(x + i), Simd::load(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(alpha, x[i], y[i]);
+}
+
+float dot(long n, const float* a, const float* b) {
+  V acc = Simd::zero();
+  long i = 0;
+  for (; i + W <= n; i += W) acc = Simd::fma(Simd::load(a + i), Simd::load(b + i), acc);
+  float s = Simd::hsum(acc);
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+kt::KernelSet make_kernel_set(const char* name) {
+  return kt::KernelSet{name,         gemm_nt<bf16>,     gemm_nt<float>, gemm_nn<bf16>, gemm_nn<float>,
+                       silu_mul,     silu_mul_backward, bf16_to_f32,    f32_to_bf16,   scale,
+                       axpy,         dot};
+}
+
+}  // namespace

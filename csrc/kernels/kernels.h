@@ -1,0 +1,78 @@
+// The kernel set of one ISA: a table of plain functions, filled by each ISA's file and picked at
+// run time by dispatch.cpp. Everything here is float32 arithmetic on float32 activations; weights
+// may be BF16 (the packed expert layout) or float32 (LoRA matrices and activations).
+//
+// Legend (STYLE.md 2): M rows of the output, N columns of the output, K the reduced dimension.
+#pragma once
+#include <cstdint>
+
+#include "../formats/bf16.h"
+
+namespace kt {
+
+// Rows of a matrix, either strided (base + i*ld) or gathered through a pointer per row.
+template <class T>
+struct Rows {
+  const T* const* ptrs = nullptr;
+  const T* base = nullptr;
+  long ld = 0;
+  const T* at(long i) const { return ptrs ? ptrs[i] : base + i * ld; }
+};
+
+// C[m, n] = alpha * sum_k A[m, k] * B[n, k] (+ C if accumulate).
+// "Dot" form: A and B rows are both contiguous in k, as x·Wᵀ with W stored [out, in].
+template <class TB>
+struct GemmNT {
+  int M, N, K;
+  Rows<float> a;
+  Rows<TB> b;
+  float* c;
+  long ldc;
+  float alpha;
+  bool accumulate;
+};
+
+// C[m, n] = alpha * sum_k A(m, k) * B[k, n] (+ C if accumulate), B rows contiguous in n.
+// A(m, k) = a.at(m)[a_off + k], or with a_trans A(m, k) = a.at(k)[a_off + m] * (kscale ? kscale[k] : 1).
+// "Axpy" form: dx = dy·W with W stored [out, in] (the other loop order over the same weights), and
+// weight gradients dW = dyᵀ·x (a_trans).
+template <class TB>
+struct GemmNN {
+  int M, N, K;
+  Rows<float> a;
+  long a_off;
+  bool a_trans;
+  const float* kscale;
+  Rows<TB> b;
+  long b_off;
+  float* c;
+  long ldc;
+  float alpha;
+  bool accumulate;
+};
+
+struct KernelSet {
+  const char* name;
+  void (*gemm_nt_bf16)(const GemmNT<bf16>&);
+  void (*gemm_nt_f32)(const GemmNT<float>&);
+  void (*gemm_nn_bf16)(const GemmNN<bf16>&);
+  void (*gemm_nn_f32)(const GemmNN<float>&);
+  // h = silu(g) * u
+  void (*silu_mul)(long n, const float* g, const float* u, float* h);
+  // Given dh: dg = dh * u * silu'(g), du = dh * silu(g). Overwrites dg, du.
+  void (*silu_mul_backward)(long n, const float* g, const float* u, const float* dh, float* dg, float* du);
+  void (*bf16_to_f32)(long n, const bf16* src, float* dst);
+  void (*f32_to_bf16)(long n, const float* src, bf16* dst);
+  // x *= alpha
+  void (*scale)(long n, float alpha, float* x);
+  // y += alpha * x
+  void (*axpy)(long n, float alpha, const float* x, float* y);
+  float (*dot)(long n, const float* a, const float* b);
+};
+
+const KernelSet& kernels_reference();
+const KernelSet& kernels_avx2();
+const KernelSet& kernels_avx512();
+const KernelSet& kernels_avx512_bf16();
+
+}  // namespace kt

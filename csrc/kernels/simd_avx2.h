@@ -1,0 +1,47 @@
+// 8-lane float32 vectors on AVX2 + FMA. BF16 loads widen to float32 (bf16 is the top half of a float).
+#pragma once
+#include <immintrin.h>
+
+#include "../formats/bf16.h"
+
+namespace {
+struct Simd {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const kt::bf16* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static float hsum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  // exp(x) = 2^n · e^r with n = round(x·log2 e) and r = x − n·ln2 split in two parts (Cody–Waite),
+  // e^r by its degree-6 Taylor polynomial: |r| ≤ 0.347 gives ≤ 2 ulp relative error.
+  static V exp(V x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, set1(88.f)), set1(-87.f));
+    V n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    V p = set1(1.f / 720);
+    p = fma(p, r, set1(1.f / 120));
+    p = fma(p, r, set1(1.f / 24));
+    p = fma(p, r, set1(1.f / 6));
+    p = fma(p, r, set1(0.5f));
+    p = fma(p, r, set1(1.f));
+    p = fma(p, r, set1(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+};
+}  // namespace

@@ -1,0 +1,40 @@
+// 16-lane float32 vectors on AVX-512F. BF16 loads widen to float32 (bf16 is the top half of a float).
+#pragma once
+#include <immintrin.h>
+
+#include "../formats/bf16.h"
+
+namespace {
+struct Simd {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const kt::bf16* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+  // Same range reduction and polynomial as the AVX2 path; scalef applies 2^n.
+  static V exp(V x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, set1(88.f)), set1(-87.f));
+    V n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
+    V p = set1(1.f / 720);
+    p = fma(p, r, set1(1.f / 120));
+    p = fma(p, r, set1(1.f / 24));
+    p = fma(p, r, set1(1.f / 6));
+    p = fma(p, r, set1(0.5f));
+    p = fma(p, r, set1(1.f));
+    p = fma(p, r, set1(1.f));
+    return _mm512_scalef_ps(p, n);
+  }
+};
+}  // namespace

@@ -1,0 +1,442 @@
+#include "experts.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "runtime.h"
+
+namespace kt {
+
+namespace {
+
+// Output columns per work item: 64 keeps a B panel (64 rows of up to 7168 BF16) in L2 and gives
+// E·I/64 items, enough to spread a decode step's few experts over every thread.
+constexpr int BLOCK = 64;
+
+long ceil_div(long a, long b) { return (a + b - 1) / b; }
+
+struct Item {
+  int kind, e, block;
+};
+
+// Rows of expert e's slots in a slot-major buffer with `ld` columns.
+Rows<float> slot_rows(const float* base, const Saved& sv, int e, long ld) { return Rows<float>{nullptr, base + sv.offset[e] * ld, ld}; }
+Rows<float> gathered(const std::vector<const float*>& ptrs, const Saved& sv, int e) {
+  return Rows<float>{ptrs.data() + sv.offset[e], nullptr, 0};
+}
+int rows_of(const Saved& sv, int e) { return sv.offset[e + 1] - sv.offset[e]; }
+
+// Counting sort of the (token, k) pairs by expert, tokens in order within an expert.
+void route(const View& idx, const View& w, int E, Saved& sv) {
+  const int T = sv.T, K = sv.K;
+  const int64_t* id = idx.as<int64_t>();
+  const float* wt = w.as<float>();
+  sv.offset.assign(E + 1, 0);
+  for (long i = 0; i < long(T) * K; ++i) {
+    int64_t e = id[i];
+    if (e < 0 || e >= E)
+      throw std::invalid_argument("top_k_index holds expert id " + std::to_string(e) + " at token " +
+                                  std::to_string(i / K) + "; ids must be in [0, " + std::to_string(E) +
+                                  ") for this layer's " + std::to_string(E) + " experts.");
+    ++sv.offset[e + 1];
+  }
+  for (int e = 0; e < E; ++e) sv.offset[e + 1] += sv.offset[e];
+  std::vector<int> fill(sv.offset.begin(), sv.offset.end() - 1);
+  sv.slot_token.resize(size_t(T) * K);
+  sv.slot_w.resize(size_t(T) * K);
+  sv.slot_of.resize(size_t(T) * K);
+  for (long i = 0; i < long(T) * K; ++i) {
+    int s = fill[id[i]]++;
+    sv.slot_token[s] = int(i / K);
+    sv.slot_w[s] = wt[i];
+    sv.slot_of[i] = s;
+  }
+}
+
+// Rows of x as float32: a pointer into x itself when it is float32, else converted into `dst`.
+const float* as_f32(const View& x, float* dst, Runtime& rt) {
+  if (x.dtype == DType::f32) return x.as<float>();
+  const long T = x.shape[0], H = x.shape[1];
+  const KernelSet& ks = rt.kernels();
+  rt.parallel_for(T, [&](long t, int) { ks.bf16_to_f32(H, x.as<bf16>() + t * H, dst + t * H); });
+  return dst;
+}
+
+void store_row(const View& out, long row, const float* src, long n, const KernelSet& ks) {
+  if (out.dtype == DType::f32)
+    std::memcpy(out.as<float>() + row * n, src, n * sizeof(float));
+  else
+    ks.f32_to_bf16(n, src, out.as<bf16>() + row * n);
+}
+
+// dst[rows, cols] (+)= src; dst float32 or bfloat16 (rounded once per accumulation, as torch does).
+void accumulate_into(const View& dst, long offset, long ld, const float* src, long rows, long cols) {
+  for (long i = 0; i < rows; ++i)
+    for (long j = 0; j < cols; ++j) {
+      long at = offset + i * ld + j;
+      if (dst.dtype == DType::f32)
+        dst.as<float>()[at] += src[i * cols + j];
+      else
+        dst.as<bf16>()[at] = f32_to_bf16(bf16_to_f32(dst.as<bf16>()[at]) + src[i * cols + j]);
+    }
+}
+
+// out[t] = Σ_k coef(t,k) · rows[slot_of[t,k]] for every token, written in out's dtype.
+void combine(const View& out, const float* rows, long ld, const std::vector<int>& slot_of, const float* coef, int T,
+             int K, Runtime& rt, float* per_thread) {
+  const KernelSet& ks = rt.kernels();
+  rt.parallel_for(T, [&](long t, int ith) {
+    float* acc = per_thread + long(ith) * ld;
+    std::fill(acc, acc + ld, 0.f);
+    for (int k = 0; k < K; ++k) {
+      long s = slot_of[t * K + k];
+      ks.axpy(ld, coef ? coef[s] : 1.f, rows + s * ld, acc);
+    }
+    store_row(out, t, acc, ld, ks);
+  });
+}
+
+float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
+  p.reset(new float[n]);
+  sv.bytes += n * sizeof(float);
+  return p.get();
+}
+
+}  // namespace
+
+MoeExperts::MoeExperts(int E, int H, int I, View gate_up, View down) : E_(E), H_(H), I_(I), gate_up_(gate_up), down_(down) {
+  if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("experts need E, H and I of at least 1.");
+  expect(gate_up_, "gate_up_proj", DType::bf16, {E, 2L * I, H});
+  expect(down_, "down_proj", DType::bf16, {E, H, I});
+}
+
+void MoeExperts::check_lora(const Lora& lora) const {
+  const long in[3] = {H_, H_, I_}, outd[3] = {I_, I_, H_};
+  const char* names[3] = {"gate", "up", "down"};
+  for (int p = 0; p < 3; ++p) {
+    if (lora.A[p].empty() != lora.B[p].empty())
+      throw std::invalid_argument(std::string("LoRA on ") + names[p] + " needs both A and B.");
+    if (lora.A[p].empty()) continue;
+    if (lora.r < 1) throw std::invalid_argument("LoRA rank must be at least 1.");
+    expect(lora.A[p], (std::string("lora_A of ") + names[p]).c_str(), DType::f32, {E_, lora.r, in[p]});
+    expect(lora.B[p], (std::string("lora_B of ") + names[p]).c_str(), DType::f32, {E_, outd[p], lora.r});
+  }
+}
+
+size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r, int threads) {
+  const long N = T * K;
+  return size_t(2 * T * H            // x and dout as float32
+                + 4 * N * I          // h, p and (backward) dg, du; forward g, u when not saved
+                + N * H              // per-slot outputs (forward y, backward dx)
+                + 3 * N * r          // rank-space products
+                + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
+                + threads * std::max(BLOCK * std::max(H, I), H));  // per-thread tiles
+}
+
+std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
+                                           const Lora& lora, bool save) const {
+  Runtime& rt = Runtime::get();
+  const KernelSet& ks = rt.kernels();
+  if (x.shape.size() != 2 || idx.shape.size() != 2)
+    throw std::invalid_argument("hidden_states must be [T, H] and top_k_index [T, K].");
+  const int T = int(x.shape[0]), K = int(idx.shape[1]);
+  const long H = H_, I = I_, N = long(T) * K;
+  expect_float(x, "hidden_states", {T, H});
+  expect(idx, "top_k_index", DType::i64, {T, K});
+  expect(w, "top_k_weights", DType::f32, {T, K});
+  expect(out, "output", x.dtype, {T, H});
+  check_lora(lora);
+  const int r = lora.r;
+  const float s = lora.scale;
+
+  auto sv = std::make_shared<Saved>();
+  sv->T = T;
+  sv->K = K;
+  route(idx, w, E_, *sv);
+  if (T == 0) return save ? sv : nullptr;
+
+  Scratch& sc = rt.scratch();
+  const float* X = as_f32(x, sc.get(Scratch::X, size_t(T) * H), rt);
+  std::vector<const float*> xrows(N);
+  for (long i = 0; i < N; ++i) xrows[i] = X + long(sv->slot_token[i]) * H;
+
+  float* G = save ? alloc_saved(*sv, sv->g, N * I) : sc.get(Scratch::DG, N * I);
+  float* U = save ? alloc_saved(*sv, sv->u, N * I) : sc.get(Scratch::DU, N * I);
+  float* Hh = sc.get(Scratch::HH, N * I);
+  float* Y = sc.get(Scratch::SLOT_ROWS, N * H);
+  float* Z[3] = {};
+  const Scratch::Slot zslot[3] = {Scratch::Z0, Scratch::Z1, Scratch::Z2};
+  for (int p = 0; p < 3; ++p)
+    if (!lora.A[p].empty()) Z[p] = save ? alloc_saved(*sv, sv->z[p], N * r) : sc.get(zslot[p], N * r);
+  float* BT = sc.get(Scratch::BT, size_t(E_) * r * (2 * I + H));
+  float* bt[3] = {BT, BT + long(E_) * r * I, BT + 2L * E_ * r * I};
+  const long in[3] = {H, H, I}, outd[3] = {I, I, H};
+
+  // Rank-space inputs of gate/up, and every B transposed to [r, out] so "out of rank space" products
+  // run in axpy form with contiguous rows.
+  rt.parallel_for(E_, [&](long e, int) {
+    const int n = rows_of(*sv, int(e));
+    for (int p = 0; p < 3; ++p) {
+      if (lora.A[p].empty() || n == 0) continue;
+      const float* B = lora.B[p].as<float>() + e * outd[p] * r;
+      float* dst = bt[p] + e * r * outd[p];
+      for (long o = 0; o < outd[p]; ++o)
+        for (int j = 0; j < r; ++j) dst[j * outd[p] + o] = B[o * r + j];
+      if (p == DOWN) continue;
+      ks.gemm_nt_f32({n, r, int(H), gathered(xrows, *sv, int(e)), {nullptr, lora.A[p].as<float>() + e * r * in[p], in[p]},
+                      Z[p] + sv->offset[e] * r, r, 1.f, false});
+    }
+  });
+
+  std::vector<Item> items;
+  for (int e = 0; e < E_; ++e)
+    if (rows_of(*sv, e))
+      for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
+  rt.parallel_for(long(items.size()), [&](long it, int) {
+    const int e = items[it].e, n = rows_of(*sv, e);
+    const long i0 = long(items[it].block) * BLOCK;
+    const int ib = int(std::min<long>(BLOCK, I - i0));
+    float* dst[2] = {G, U};
+    for (int p = GATE; p <= UP; ++p) {
+      float* c = dst[p] + sv->offset[e] * I + i0;
+      ks.gemm_nt_bf16({n, ib, int(H), gathered(xrows, *sv, e),
+                       {nullptr, gate_up_.as<bf16>() + (long(e) * 2 * I + p * I + i0) * H, H}, c, I, 1.f, false});
+      if (Z[p])
+        ks.gemm_nn_f32({n, ib, r, slot_rows(Z[p], *sv, e, r), 0, false, nullptr, {nullptr, bt[p] + e * r * I, I}, i0, c,
+                        I, s, true});
+    }
+    for (int m = 0; m < n; ++m) {
+      long o = (sv->offset[e] + m) * I + i0;
+      ks.silu_mul(ib, G + o, U + o, Hh + o);
+    }
+  });
+
+  if (Z[DOWN])
+    rt.parallel_for(E_, [&](long e, int) {
+      const int n = rows_of(*sv, int(e));
+      if (n)
+        ks.gemm_nt_f32({n, r, int(I), slot_rows(Hh, *sv, int(e), I), {nullptr, lora.A[DOWN].as<float>() + e * r * I, I},
+                        Z[DOWN] + sv->offset[e] * r, r, 1.f, false});
+    });
+
+  items.clear();
+  for (int e = 0; e < E_; ++e)
+    if (rows_of(*sv, e))
+      for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({0, e, b});
+  rt.parallel_for(long(items.size()), [&](long it, int) {
+    const int e = items[it].e, n = rows_of(*sv, e);
+    const long h0 = long(items[it].block) * BLOCK;
+    const int hb = int(std::min<long>(BLOCK, H - h0));
+    float* c = Y + sv->offset[e] * H + h0;
+    ks.gemm_nt_bf16({n, hb, int(I), slot_rows(Hh, *sv, e, I), {nullptr, down_.as<bf16>() + (long(e) * H + h0) * I, I}, c, H,
+                     1.f, false});
+    if (Z[DOWN])
+      ks.gemm_nn_f32({n, hb, r, slot_rows(Z[DOWN], *sv, e, r), 0, false, nullptr, {nullptr, bt[DOWN] + e * r * H, H}, h0,
+                      c, H, s, true});
+  });
+
+  float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * H);
+  combine(out, Y, H, sv->slot_of, sv->slot_w.data(), T, K, rt, per_thread);
+  return save ? sv : nullptr;
+}
+
+}  // namespace kt
+
+namespace kt {
+
+void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, const Lora& lora, const Grads& gr) const {
+  Runtime& rt = Runtime::get();
+  const KernelSet& ks = rt.kernels();
+  const int T = sv.T, K = sv.K, r = lora.r;
+  const long H = H_, I = I_, N = long(T) * K;
+  const float s = lora.scale;
+  expect_float(x, "hidden_states", {T, H});
+  expect(dout, "grad_output", x.dtype, {T, H});
+  expect(gr.dx, "grad_hidden_states", x.dtype, {T, H});
+  expect(gr.dw, "grad_top_k_weights", DType::f32, {T, K});
+  check_lora(lora);
+  const long in[3] = {H, H, I}, outd[3] = {I, I, H};
+  for (int p = 0; p < 3; ++p) {
+    if (!sv.z[p] != lora.A[p].empty())
+      throw std::invalid_argument("backward must get the same LoRA projections as the forward it follows.");
+    if (!gr.dA[p].empty()) expect(gr.dA[p], "grad of lora_A", DType::f32, {E_, r, in[p]});
+    if (!gr.dB[p].empty()) expect(gr.dB[p], "grad of lora_B", DType::f32, {E_, outd[p], r});
+  }
+  if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
+  if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
+  if (T == 0) return;
+
+  Scratch& sc = rt.scratch();
+  const float* X = as_f32(x, sc.get(Scratch::X, size_t(T) * H), rt);
+  const float* D = as_f32(dout, sc.get(Scratch::DOUT, size_t(T) * H), rt);
+  std::vector<const float*> xrows(N), drows(N);
+  for (long i = 0; i < N; ++i) {
+    xrows[i] = X + long(sv.slot_token[i]) * H;
+    drows[i] = D + long(sv.slot_token[i]) * H;
+  }
+  const float* G = sv.g.get();
+  const float* U = sv.u.get();
+  float* Hh = sc.get(Scratch::HH, N * I);
+  float* P = sc.get(Scratch::P, N * I);
+  float* dG = sc.get(Scratch::DG, N * I);
+  float* dU = sc.get(Scratch::DU, N * I);
+  float* dXs = sc.get(Scratch::SLOT_ROWS, N * H);
+  // Rank-space products of the backward: zb = dout·Bd (down), wz[GATE] = dg·Bg, wz[UP] = du·Bu.
+  float* wz[3] = {sc.get(Scratch::Z0, N * r), sc.get(Scratch::Z1, N * r), sc.get(Scratch::Z2, N * r)};
+  float* BT = sc.get(Scratch::BT, size_t(E_) * r * (2 * I + H));
+  float* bt[3] = {BT, BT + long(E_) * r * I, BT + 2L * E_ * r * I};
+  const long tile = std::max(long(BLOCK) * std::max(H, I), H);
+  float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
+  const bool lora_on[3] = {!lora.A[GATE].empty(), !lora.A[UP].empty(), !lora.A[DOWN].empty()};
+
+  rt.parallel_for(E_, [&](long e, int) {
+    const int n = rows_of(sv, int(e));
+    for (int p = 0; p < 3; ++p) {
+      if (!lora_on[p] || n == 0) continue;
+      const float* B = lora.B[p].as<float>() + e * outd[p] * r;
+      float* dst = bt[p] + e * r * outd[p];
+      for (long o = 0; o < outd[p]; ++o)
+        for (int j = 0; j < r; ++j) dst[j * outd[p] + o] = B[o * r + j];
+    }
+    if (lora_on[DOWN] && n)
+      ks.gemm_nt_f32({n, r, int(H), gathered(drows, sv, int(e)), {nullptr, bt[DOWN] + e * r * H, H},
+                      wz[DOWN] + sv.offset[e] * r, r, 1.f, false});
+  });
+
+  // p = dout·Wd (+ s·zb·Ad): the gradient of h before the routing weight; h recomputed from g, u.
+  std::vector<Item> items;
+  for (int e = 0; e < E_; ++e)
+    if (rows_of(sv, e))
+      for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
+  rt.parallel_for(long(items.size()), [&](long it, int) {
+    const int e = items[it].e, n = rows_of(sv, e);
+    const long i0 = long(items[it].block) * BLOCK;
+    const int ib = int(std::min<long>(BLOCK, I - i0));
+    float* c = P + sv.offset[e] * I + i0;
+    ks.gemm_nn_bf16({n, ib, int(H), gathered(drows, sv, e), 0, false, nullptr,
+                     {nullptr, down_.as<bf16>() + long(e) * H * I, I}, i0, c, I, 1.f, false});
+    if (lora_on[DOWN])
+      ks.gemm_nn_f32({n, ib, r, slot_rows(wz[DOWN], sv, e, r), 0, false, nullptr,
+                      {nullptr, lora.A[DOWN].as<float>() + long(e) * r * I, I}, i0, c, I, s, true});
+    for (int m = 0; m < n; ++m) {
+      long o = (sv.offset[e] + m) * I + i0;
+      ks.silu_mul(ib, G + o, U + o, Hh + o);
+    }
+  });
+
+  // Per slot: d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
+  std::vector<float> dws(N);
+  rt.parallel_for(N, [&](long i, int) {
+    float* p = P + i * I;
+    dws[i] = ks.dot(I, p, Hh + i * I);
+    ks.scale(I, sv.slot_w[i], p);
+    ks.silu_mul_backward(I, G + i * I, U + i * I, p, dG + i * I, dU + i * I);
+  });
+  for (long t = 0; t < long(T) * K; ++t) gr.dw.as<float>()[t] = dws[sv.slot_of[t]];
+
+  if (lora_on[GATE] || lora_on[UP])
+    rt.parallel_for(E_, [&](long e, int) {
+      const int n = rows_of(sv, int(e));
+      const float* dgu[2] = {dG, dU};
+      for (int p = GATE; p <= UP; ++p)
+        if (lora_on[p] && n)
+          ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
+                          {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
+    });
+
+  // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.
+  items.clear();
+  for (int e = 0; e < E_; ++e)
+    if (rows_of(sv, e))
+      for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({0, e, b});
+  rt.parallel_for(long(items.size()), [&](long it, int) {
+    const int e = items[it].e, n = rows_of(sv, e);
+    const long h0 = long(items[it].block) * BLOCK;
+    const int hb = int(std::min<long>(BLOCK, H - h0));
+    float* c = dXs + sv.offset[e] * H + h0;
+    float* dgu[2] = {dG, dU};
+    for (int p = GATE; p <= UP; ++p) {
+      ks.gemm_nn_bf16({n, hb, int(I), slot_rows(dgu[p], sv, e, I), 0, false, nullptr,
+                       {nullptr, gate_up_.as<bf16>() + (long(e) * 2 * I + p * I) * H, H}, h0, c, H, 1.f, p == UP});
+      if (lora_on[p])
+        ks.gemm_nn_f32({n, hb, r, slot_rows(wz[p], sv, e, r), 0, false, nullptr,
+                        {nullptr, lora.A[p].as<float>() + long(e) * r * H, H}, h0, c, H, s, true});
+    }
+  });
+  combine(gr.dx, dXs, H, sv.slot_of, nullptr, T, K, rt, per_thread);
+
+  // Weight gradients, all accumulating: kinds below index the work items of one parallel phase.
+  enum { dA_DOWN, dB_DOWN, dA_GU, dB_GU, dW_DOWN, dW_GU };
+  items.clear();
+  for (int e = 0; e < E_; ++e) {
+    if (!rows_of(sv, e)) continue;
+    for (int p = 0; p < 3; ++p) {
+      if (!lora_on[p]) continue;
+      const long nb_in = ceil_div(in[p], BLOCK), nb_out = ceil_div(outd[p], BLOCK);
+      if (!gr.dA[p].empty())
+        for (int b = 0; b < nb_in; ++b) items.push_back({p == DOWN ? dA_DOWN : dA_GU + 16 * p, e, b});
+      if (!gr.dB[p].empty())
+        for (int b = 0; b < nb_out; ++b) items.push_back({p == DOWN ? dB_DOWN : dB_GU + 16 * p, e, b});
+    }
+    if (!gr.d_down.empty())
+      for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({dW_DOWN, e, b});
+    if (!gr.d_gate_up.empty())
+      for (int p = GATE; p <= UP; ++p)
+        for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({dW_GU + 16 * p, e, b});
+  }
+  rt.parallel_for(long(items.size()), [&](long it, int ith) {
+    const int kind = items[it].kind % 16, p = items[it].kind / 16, e = items[it].e, n = rows_of(sv, e);
+    const long c0 = long(items[it].block) * BLOCK;
+    float* tmp = per_thread + long(ith) * tile;
+    const float* w = sv.slot_w.data() + sv.offset[e];
+    float* dgu[2] = {dG, dU};
+    switch (kind) {
+      case dA_DOWN: {  // dAd[j, i] += s Σ_m w_m zb[m, j] h[m, i]
+        const int cb = int(std::min<long>(BLOCK, I - c0));
+        ks.gemm_nn_f32({r, cb, n, slot_rows(wz[DOWN], sv, e, r), 0, true, w, slot_rows(Hh, sv, e, I), c0,
+                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, s, true});
+        break;
+      }
+      case dB_DOWN: {  // dBd[h, j] += s Σ_m w_m zd[m, j] dout[m, h], computed as [j, h] then transposed
+        const int cb = int(std::min<long>(BLOCK, H - c0));
+        ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[DOWN].get(), sv, e, r), 0, true, w, gathered(drows, sv, e), c0, tmp,
+                        cb, s, false});
+        float* dB = gr.dB[DOWN].as<float>() + long(e) * H * r;
+        for (int j = 0; j < r; ++j)
+          for (int h = 0; h < cb; ++h) dB[(c0 + h) * r + j] += tmp[j * cb + h];
+        break;
+      }
+      case dA_GU: {  // dAp[j, h] += s Σ_m wz[m, j] x[m, h]
+        const int cb = int(std::min<long>(BLOCK, H - c0));
+        ks.gemm_nn_f32({r, cb, n, slot_rows(wz[p], sv, e, r), 0, true, nullptr, gathered(xrows, sv, e), c0,
+                        gr.dA[p].as<float>() + long(e) * r * H + c0, H, s, true});
+        break;
+      }
+      case dB_GU: {  // dBp[i, j] += s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed
+        const int cb = int(std::min<long>(BLOCK, I - c0));
+        ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[p].get(), sv, e, r), 0, true, nullptr, slot_rows(dgu[p], sv, e, I), c0,
+                        tmp, cb, s, false});
+        float* dB = gr.dB[p].as<float>() + long(e) * I * r;
+        for (int j = 0; j < r; ++j)
+          for (int i = 0; i < cb; ++i) dB[(c0 + i) * r + j] += tmp[j * cb + i];
+        break;
+      }
+      case dW_DOWN: {  // dWd[h, i] += Σ_m w_m dout[m, h] h[m, i]
+        const int cb = int(std::min<long>(BLOCK, H - c0));
+        ks.gemm_nn_f32({cb, int(I), n, gathered(drows, sv, e), c0, true, w, slot_rows(Hh, sv, e, I), 0, tmp, I, 1.f, false});
+        accumulate_into(gr.d_down, (long(e) * H + c0) * I, I, tmp, cb, I);
+        break;
+      }
+      case dW_GU: {  // dWp[i, h] += Σ_m dp[m, i] x[m, h]
+        const int cb = int(std::min<long>(BLOCK, I - c0));
+        ks.gemm_nn_f32({cb, int(H), n, slot_rows(dgu[p], sv, e, I), c0, true, nullptr, gathered(xrows, sv, e), 0, tmp, H,
+                        1.f, false});
+        accumulate_into(gr.d_gate_up, (long(e) * 2 * I + p * I + c0) * H, H, tmp, cb, H);
+        break;
+      }
+    }
+  });
+}
+
+}  // namespace kt

@@ -1,0 +1,71 @@
+// One MoE layer's routed experts: E experts of SwiGLU with optional LoRA on gate, up and down.
+//
+// Legend: T tokens, H hidden, I intermediate, E experts, K top-k, r LoRA rank, N = T·K routed rows
+// ("slots"), sorted by expert so each expert's rows are contiguous.
+//
+// Weights are held once, in the transformers 5.x fused layout, which is also the kernel layout:
+// gate_up [E, 2I, H] (gate rows first) and down [E, H, I], BF16, row-major. Forward reads them as
+// x·Wᵀ (dot form); backward reads the very same rows as dy·W (axpy form): no transposed copy.
+//
+// Per expert e, with s the LoRA scale:
+//   g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
+//   out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
+// LoRA: A_p [E, r, in_p], B_p [E, out_p, r], float32; any projection may have none.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "view.h"
+
+namespace kt {
+
+enum Proj { GATE = 0, UP = 1, DOWN = 2 };
+
+struct Lora {
+  int r = 0;
+  float scale = 0.f;
+  View A[3], B[3];
+};
+
+// Gradients: LoRA A/B grads (float32) and base-weight grads (float32 or bfloat16) ACCUMULATE into
+// what they are given, as param.grad does across micro-batches; dx and dw are OVERWRITTEN.
+struct Grads {
+  View dx, dw;
+  View dA[3], dB[3];
+  View d_gate_up, d_down;
+};
+
+// What forward keeps for backward (one layer, one step): routing, g and u, and the LoRA rank
+// projections. Nothing here aliases the shared scratch.
+struct Saved {
+  int T = 0, K = 0;
+  std::vector<int> offset, slot_token, slot_of;  // [E+1], [N], [T*K]
+  std::vector<float> slot_w;
+  std::unique_ptr<float[]> g, u, z[3];
+  size_t bytes = 0;
+};
+
+class MoeExperts {
+ public:
+  MoeExperts(int E, int H, int I, View gate_up, View down);
+  int E() const { return E_; }
+  int H() const { return H_; }
+  int I() const { return I_; }
+
+  // x [T, H] float32|bfloat16, idx [T, K] int64, w [T, K] float32, out [T, H] same dtype as x.
+  // With save, returns what backward needs; without (inference), returns null and keeps nothing.
+  std::shared_ptr<Saved> forward(const View& x, const View& idx, const View& w, const View& out, const Lora& lora,
+                                 bool save) const;
+  // dout [T, H] same dtype as x.
+  void backward(const Saved& saved, const View& x, const View& dout, const Lora& lora, const Grads& grads) const;
+
+  // Scratch floats a call with these sizes uses (the formula of the README's workspace section).
+  static size_t scratch_floats(long T, long K, long E, long H, long I, long r, int threads);
+
+ private:
+  void check_lora(const Lora& lora) const;
+  int E_, H_, I_;
+  View gate_up_, down_;
+};
+
+}  // namespace kt

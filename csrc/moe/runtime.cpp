@@ -1,0 +1,63 @@
+#include "runtime.h"
+
+#include <stdexcept>
+
+#include "../kernels/dispatch.h"
+
+namespace kt {
+
+float* Scratch::get(Slot s, size_t n) {
+  if (n > cap_[s]) {
+    buf_[s].reset();
+    buf_[s].reset(new float[n]);
+    cap_[s] = n;
+  }
+  return buf_[s].get();
+}
+
+size_t Scratch::bytes() const {
+  size_t b = 0;
+  for (size_t c : cap_) b += c * sizeof(float);
+  return b;
+}
+
+Runtime& Runtime::get() {
+  static Runtime rt;
+  return rt;
+}
+
+Runtime::Runtime() : queue_(new AsyncQueue()) {
+  try {
+    configure(0, true, "");
+  } catch (const std::exception& e) {
+    no_kernels_reason_ = e.what();
+    pool_.reset(new ThreadPool(0, true));
+  }
+}
+
+const KernelSet& Runtime::kernels() const {
+  if (!kernels_) throw std::runtime_error(no_kernels_reason_);
+  return *kernels_;
+}
+
+void Runtime::configure(int n_threads, bool pin, const std::string& kernels) {
+  const KernelSet* ks = &select_kernels(kernels);  // throws before anything changes
+  // Drain the queue so no call in flight sees the pool change under it.
+  queue_->submit([] {})->wait();
+  kernels_ = ks;
+  if (!pool_ || pool_->size() != (n_threads > 0 ? n_threads : available_cpus()) || pin_ != pin) {
+    pool_.reset();
+    pool_.reset(new ThreadPool(n_threads, pin));
+    pin_ = pin;
+  }
+}
+
+void Runtime::parallel_for(long n, const std::function<void(long, int)>& body) {
+  if (n <= 0) return;
+  std::atomic<long> next{0};
+  pool_->run([&](int ith, int) {
+    for (long i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i, ith);
+  });
+}
+
+}  // namespace kt

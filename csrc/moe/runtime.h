@@ -1,0 +1,55 @@
+// Process-wide state shared by every layer's experts: one thread pool, the kernel set, the driver
+// queue for asynchronous calls, and one scratch workspace. All engine calls run on the driver
+// thread one at a time, so layers can share the scratch without locks.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../kernels/kernels.h"
+#include "../threadpool/async_queue.h"
+#include "../threadpool/threadpool.h"
+
+namespace kt {
+
+// Grow-only float buffers, one per named use, reused across calls (page faults of fresh
+// multi-hundred-MB buffers cost as much as a small layer's compute).
+class Scratch {
+ public:
+  enum Slot { X, DOUT, HH, P, DG, DU, SLOT_ROWS, BT, Z0, Z1, Z2, PER_THREAD, N_SLOTS };
+  float* get(Slot s, size_t n);
+  size_t bytes() const;
+
+ private:
+  std::unique_ptr<float[]> buf_[N_SLOTS];
+  size_t cap_[N_SLOTS] = {};
+};
+
+class Runtime {
+ public:
+  static Runtime& get();
+  void configure(int n_threads, bool pin, const std::string& kernels);
+  ThreadPool& pool() { return *pool_; }
+  // Throws the reason (no AVX2) when no kernel set was chosen.
+  const KernelSet& kernels() const;
+  int threads() const { return pool_->size(); }
+  AsyncQueue& queue() { return *queue_; }
+  Scratch& scratch() { return scratch_; }
+
+  // Runs body(item) for item in [0, n) across the pool; items are handed out dynamically, and each
+  // item writes only its own outputs, so results do not depend on the thread count.
+  void parallel_for(long n, const std::function<void(long, int)>& body);
+
+ private:
+  Runtime();
+  std::unique_ptr<ThreadPool> pool_;
+  const KernelSet* kernels_ = nullptr;
+  std::string no_kernels_reason_;
+  bool pin_ = true;
+  std::unique_ptr<AsyncQueue> queue_;
+  Scratch scratch_;
+};
+
+}  // namespace kt

@@ -1,0 +1,64 @@
+#include "async_queue.h"
+
+namespace kt {
+
+void Ticket::wait() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return done_; });
+  if (error_) {
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+bool Ticket::done() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+AsyncQueue::AsyncQueue() : thread_([this] { loop(); }) {}
+
+AsyncQueue::~AsyncQueue() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_one();
+  thread_.join();
+}
+
+std::shared_ptr<Ticket> AsyncQueue::submit(std::function<void()> job) {
+  auto t = std::make_shared<Ticket>();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    jobs_.emplace_back(std::move(job), t);
+  }
+  cv_.notify_one();
+  return t;
+}
+
+void AsyncQueue::loop() {
+  for (;;) {
+    std::pair<std::function<void()>, std::shared_ptr<Ticket>> item;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_ and drained
+      item = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    std::exception_ptr err;
+    try {
+      item.first();
+    } catch (...) {
+      err = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lk(item.second->mu_);
+    item.second->error_ = err;
+    item.second->done_ = true;
+    item.second->cv_.notify_all();
+  }
+}
+
+}  // namespace kt

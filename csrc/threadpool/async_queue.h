@@ -1,0 +1,44 @@
+// Submit now, wait later: engine calls run one after another on a single driver thread (which
+// drives the pool), so Python can release the GIL and let the GPU work meanwhile. Calls are
+// serialized, which is what lets every layer share one scratch workspace.
+#pragma once
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace kt {
+
+class Ticket {
+ public:
+  // Blocks until the job has run; rethrows its exception, if any (once per ticket).
+  void wait();
+  bool done();
+
+ private:
+  friend class AsyncQueue;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class AsyncQueue {
+ public:
+  AsyncQueue();
+  ~AsyncQueue();
+  std::shared_ptr<Ticket> submit(std::function<void()> job);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<Ticket>>> jobs_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace kt

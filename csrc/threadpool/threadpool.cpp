@@ -1,0 +1,105 @@
+#include "threadpool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+namespace kt {
+
+static std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  if (cpus.empty()) {
+    unsigned hw = std::thread::hardware_concurrency();
+    for (unsigned c = 0; c < (hw ? hw : 1); ++c) cpus.push_back(int(c));
+  }
+  return cpus;
+}
+
+int available_cpus() { return int(allowed_cpus().size()); }
+
+static bool pin_to(pthread_t t, int cpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  return pthread_setaffinity_np(t, sizeof(set), &set) == 0;
+}
+
+ThreadPool::ThreadPool(int n_threads, bool pin) : cpus_(allowed_cpus()) {
+  n_ = n_threads > 0 ? n_threads : int(cpus_.size());
+  // Pinning more threads than allowed CPUs would stack them; then let the OS place them.
+  bool do_pin = pin && n_ <= int(cpus_.size());
+  for (int i = 1; i < n_; ++i) {
+    threads_.emplace_back([this, i] { worker(i); });
+  }
+  if (do_pin) {
+    bool ok = true;
+    for (int i = 1; i < n_; ++i) ok &= pin_to(threads_[i - 1].native_handle(), cpus_[i]);
+    pinned_ = ok;
+  }
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_start_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::worker(int ith) {
+  uint64_t seen = 0;
+  for (;;) {
+    const std::function<void(int, int)>* job;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_start_.wait(lk, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      job = job_;
+    }
+    std::exception_ptr err;
+    try {
+      (*job)(ith, n_);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    if (err && !error_) error_ = err;
+    if (--pending_ == 0) cv_done_.notify_one();
+  }
+}
+
+void ThreadPool::run(const std::function<void(int, int)>& fn) {
+  std::lock_guard<std::mutex> one(run_mu_);
+  if (n_ == 1) {
+    fn(0, 1);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    job_ = &fn;
+    pending_ = n_ - 1;
+    error_ = nullptr;
+    ++generation_;
+  }
+  cv_start_.notify_all();
+  std::exception_ptr err;
+  try {
+    fn(0, n_);
+  } catch (...) {
+    err = std::current_exception();
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_done_.wait(lk, [&] { return pending_ == 0; });
+  if (!err) err = error_;
+  job_ = nullptr;
+  if (err) std::rethrow_exception(err);
+}
+
+}  // namespace kt

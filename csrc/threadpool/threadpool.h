@@ -1,0 +1,46 @@
+// One persistent pool of worker threads. The calling thread takes part as thread 0, so a pool of
+// n threads starts n-1 workers. Work is a function of (ith, nth); run() returns when every thread
+// has finished it. Kernels never create threads, allocate or read the environment (STYLE.md 5).
+#pragma once
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+class ThreadPool {
+ public:
+  // n_threads <= 0 means the number of CPUs this process may run on. pin: bind thread i to the
+  // i-th allowed CPU (ignored where the OS refuses).
+  explicit ThreadPool(int n_threads, bool pin);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_; }
+  bool pinned() const { return pinned_; }
+  // Runs fn(ith, nth) on all threads; the first exception thrown by any thread is rethrown here.
+  void run(const std::function<void(int, int)>& fn);
+
+ private:
+  void worker(int ith);
+  int n_;
+  bool pinned_ = false;
+  std::vector<std::thread> threads_;
+  std::vector<int> cpus_;
+  std::mutex mu_;
+  std::condition_variable cv_start_, cv_done_;
+  const std::function<void(int, int)>* job_ = nullptr;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+  std::mutex run_mu_;  // one run() at a time
+};
+
+int available_cpus();
+
+}  // namespace kt

@@ -1,0 +1,65 @@
+"""Loads the C++ engine and turns tensors into the views it takes.
+
+Environment variables (the only ones kt_sft reads, all here):
+  KT_SFT_THREADS  engine threads (default: CPUs this process may use)
+  KT_SFT_KERNELS  force a kernel set: avx512_bf16 | avx512 | avx2 | reference (default: best for the CPU)
+  KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        f"kt_sft's C++ engine is not built ({e}); install the package with `pip install -e .` from its checkout."
+    ) from e
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
+
+
+def view(t: torch.Tensor | None, name: str = "tensor"):
+    """A (data_ptr, dtype, shape) view of a contiguous CPU tensor, or None."""
+    if t is None:
+        return None
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the expert engine takes CPU tensors.")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; call .contiguous() on it first.")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} is {t.dtype}; the expert engine takes float32, bfloat16 or int64 tensors.")
+    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape))
+
+
+def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None) -> None:
+    """Sets the engine's thread count, kernel set and pinning; unspecified values keep their current setting."""
+    cur = _C.capabilities()
+    _C.configure(
+        cur["threads"] if threads is None else int(threads),
+        cur["pinned"] if pin is None else bool(pin),
+        (cur["kernels"] or "") if kernels is None else kernels,
+    )
+
+
+def set_kernels(name: str | None) -> None:
+    """Forces a kernel set by name (None: the best this CPU runs). For tests and benchmarks."""
+    configure(kernels=name or "")
+
+
+def capabilities() -> dict:
+    """What the CPU has, which kernel sets it can run, which one is in use, threads and scratch size."""
+    return _C.capabilities()
+
+
+def _configure_from_env() -> None:
+    threads = os.environ.get("KT_SFT_THREADS")
+    kernels = os.environ.get("KT_SFT_KERNELS")
+    pin = os.environ.get("KT_SFT_PIN")
+    if threads or kernels or pin:
+        _C.configure(int(threads or 0), pin != "0", kernels or "")
+
+
+_configure_from_env()

@@ -1,0 +1,127 @@
+"""KTExperts: drop-in for a transformers 5.x experts module, with the routed experts on the CPU engine.
+
+Call: forward(hidden_states [T,H], top_k_index [T,K] int64, top_k_weights [T,K]) -> [T,H] on the input's
+device and dtype. The expert weights are BF16 CPU tensors in the fused layout (gate_up_proj [E,2I,H],
+down_proj [E,H,I]) held once: the engine reads them in place, `.to(device)` / `.cuda()` leave them (and the
+expert LoRA) on the CPU, and in full mode the optimizer updates them in place.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .._ext import _C, view
+from ..ops.experts_function import ExpertsFunction, run_forward, to_engine
+from ..ops.reference import PROJECTIONS, lora_scale
+
+
+class KTExperts(nn.Module):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, train_base: bool = False,
+                 check_finite: bool = False):
+        super().__init__()
+        if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+            raise ValueError("KTExperts takes gate_up_proj [E, 2I, H] and down_proj [E, H, I] (3-D tensors).")
+        E, two_i, H = gate_up_proj.shape
+        if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
+            raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
+                             "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
+        self.gate_up_proj = nn.Parameter(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
+        self.down_proj = nn.Parameter(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
+        self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
+        self.check_finite = check_finite
+        self.lora_r = 0
+        self.lora_scale = 0.0
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+
+    @classmethod
+    def from_per_expert(cls, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
+                        **kwargs) -> "KTExperts":
+        """From per-expert 2-D weights as checkpoints store them: gate/up [I,H], down [H,I], packed once."""
+        if not (len(gate) == len(up) == len(down)) or not gate:
+            raise ValueError("from_per_expert needs the same non-zero number of gate, up and down weights.")
+        gate_up = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate, up)]).to(torch.bfloat16)
+        return cls(gate_up, torch.stack(list(down)).to(torch.bfloat16), **kwargs)
+
+    def add_lora(self, r: int, alpha: float, use_rslora: bool = False, projections=PROJECTIONS,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """LoRA on every expert's chosen projections: A [E,r,in] Kaiming-uniform, B [E,out,r] zeros (as PEFT)."""
+        if not isinstance(r, int) or r < 1:
+            raise ValueError(f"LoRA rank must be a positive integer, got {r!r}.")
+        unknown = set(projections) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"unknown expert projections {sorted(unknown)}; choose from {list(PROJECTIONS)}.")
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
+        self.lora_r, self.lora_scale = r, lora_scale(r, alpha, use_rslora)
+        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        for p in projections:
+            fan_in, fan_out = dims[p]
+            a = torch.empty(E, r, fan_in, dtype=dtype)
+            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) on [r, in], as PEFT's default init
+            a.uniform_(-bound, bound)
+            self.lora_A[p] = nn.Parameter(a)
+            self.lora_B[p] = nn.Parameter(torch.zeros(E, fan_out, r, dtype=dtype))
+
+    def lora_params(self):
+        out = []
+        for p in PROJECTIONS:
+            out += [self.lora_A[p] if p in self.lora_A else None, self.lora_B[p] if p in self.lora_B else None]
+        return out
+
+    def base_grad(self, param: nn.Parameter) -> torch.Tensor:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
+    def _check(self, hidden_states, top_k_index, top_k_weights):
+        if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; the experts need "
+                             f"[T, {self.hidden_size}].")
+        T = hidden_states.shape[0]
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
+            raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
+                             f"must both be [T={T}, K].")
+        if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+            raise ValueError(f"top_k_index is {top_k_index.dtype}; it must hold integer expert ids.")
+        if not top_k_weights.dtype.is_floating_point:
+            raise ValueError(f"top_k_weights is {top_k_weights.dtype}; it must be a floating-point tensor.")
+        if self.check_finite:
+            for name, t in (("hidden_states", hidden_states), ("top_k_weights", top_k_weights)):
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"{name} holds NaN or Inf values; check the layer before the experts "
+                                     "(check_finite=True reported it).")
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        self._check(hidden_states, top_k_index, top_k_weights)
+        lora = self.lora_params()
+        trains = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
+            or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
+        if not trains:
+            xc = to_engine(hidden_states)
+            out, _ = run_forward(self, xc, to_engine(top_k_index, torch.int64),
+                                 to_engine(top_k_weights, torch.float32),
+                                 [None if p is None else to_engine(p, torch.float32) for p in lora], save=False)
+            return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
+        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, self.gate_up_proj,
+                                     self.down_proj, *lora)
+
+    def _apply(self, fn, recurse=True):
+        # Expert weights and their LoRA live in CPU RAM for good: device and dtype moves skip them.
+        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj")}
+        kept_a, kept_b = self._modules.pop("lora_A"), self._modules.pop("lora_B")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(kept)
+            self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
+
+    def extra_repr(self) -> str:
+        lora = f", lora_r={self.lora_r}, projections={list(self.lora_A.keys())}" if self.lora_r else ""
+        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{lora}"

@@ -1,0 +1,76 @@
+"""The autograd Function over the CPU engine: moves tensors, calls the engine, nothing else (STYLE.md 6).
+
+Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads are returned to autograd in the
+parameters' dtype; base-weight grads (full mode) are accumulated by the engine straight into
+`param.grad` (created as zeros when missing), so a multi-GB expert stack is never materialized twice.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._ext import view
+
+_ENGINE_DTYPES = (torch.float32, torch.bfloat16)
+N_FIXED_INPUTS = 6  # x, top_k_index, top_k_weights, module, gate_up, down; then the 6 LoRA matrices
+
+
+def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t on the CPU, contiguous, in dtype (or its own when the engine takes it, else float32)."""
+    if dtype is None:
+        dtype = t.dtype if t.dtype in _ENGINE_DTYPES else torch.float32
+    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def lora_views(mats):
+    return [view(m, "LoRA weight") for m in mats]
+
+
+def run_forward(module, xc, idx, w, lora32, save):
+    """One engine forward on prepared CPU tensors; returns (out, saved-or-None)."""
+    out = torch.empty_like(xc)
+    saved = module.engine.forward(
+        view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
+        module.lora_r, module.lora_scale, lora_views(lora32), save,
+    ).wait()
+    return out, saved
+
+
+class ExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, module, gate_up, down, *lora_params):
+        xc = to_engine(x)
+        lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
+        out, saved = run_forward(module, xc, to_engine(top_k_index, torch.int64),
+                                 to_engine(top_k_weights, torch.float32), lora32, save=True)
+        ctx.module = module
+        ctx.saved = saved
+        ctx.lora32 = lora32
+        ctx.lora_dtypes = [None if p is None else p.dtype for p in lora_params]
+        ctx.x_meta = (x.device, x.dtype)
+        ctx.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
+        ctx.save_for_backward(xc)
+        return out.to(device=x.device, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (xc,) = ctx.saved_tensors
+        module = ctx.module
+        if ctx.saved is None:
+            raise RuntimeError("KTExperts backward ran twice over one forward; run the forward again instead of "
+                               "retain_graph=True.")
+        dx = torch.empty_like(xc)
+        wdev, wdt, wshape = ctx.w_meta
+        dw = torch.empty(wshape, dtype=torch.float32)
+        need = ctx.needs_input_grad
+        lora_grads = [torch.zeros_like(p) if p is not None and need[N_FIXED_INPUTS + i] else None
+                      for i, p in enumerate(ctx.lora32)]
+        d_gate_up = module.base_grad(module.gate_up_proj) if need[4] else None
+        d_down = module.base_grad(module.down_proj) if need[5] else None
+        module.engine.backward(
+            ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), module.lora_r, module.lora_scale,
+            lora_views(ctx.lora32), view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
+        ).wait()
+        ctx.saved = None
+        dev, dt = ctx.x_meta
+        out_lora = [None if g is None else g.to(dtype) for g, dtype in zip(lora_grads, ctx.lora_dtypes)]
+        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, *out_lora)

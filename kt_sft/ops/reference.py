@@ -1,0 +1,67 @@
+"""THE pure-PyTorch reference of the routed experts (DESIGN.md §4), used by every test and benchmark.
+
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k, r LoRA rank.
+Per expert e, with s the LoRA scale:
+    g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
+    out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
+Autograd through this function gives the reference gradients of x, w, every LoRA A/B and the base weights.
+Computed in the dtype of its inputs (tests use float64).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+class LoraWeights(NamedTuple):
+    """Stacked LoRA of one layer's experts: A[p] [E, r, in_p], B[p] [E, out_p, r]; None where absent."""
+
+    A: dict
+    B: dict
+    scale: float
+
+
+def lora_scale(r: int, alpha: float, use_rslora: bool = False) -> float:
+    return alpha / math.sqrt(r) if use_rslora else alpha / r
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    lora: LoraWeights | None = None,
+) -> torch.Tensor:
+    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I]."""
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok, kk = torch.nonzero(top_k_index == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        g = xe @ gate_up[e, :inter].T
+        u = xe @ gate_up[e, inter:].T
+        if lora is not None:
+            g = g + _lora(lora, "gate", e, xe)
+            u = u + _lora(lora, "up", e, xe)
+        h = F.silu(g) * u
+        y = h @ down[e].T
+        if lora is not None:
+            y = y + _lora(lora, "down", e, h)
+        out = out.index_add(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
+    return out
+
+
+def _lora(lora: LoraWeights, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    A, B = lora.A.get(proj), lora.B.get(proj)
+    if A is None:
+        return torch.zeros((), dtype=x.dtype)
+    return lora.scale * ((x @ A[e].T) @ B[e].T)
