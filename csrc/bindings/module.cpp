@@ -16,6 +16,7 @@ View to_view(const py::object& o) {
   View v;
   if (o.is_none()) return v;
   auto t = o.cast<py::tuple>();
+  v.present = true;
   v.data = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
   auto dt = t[1].cast<std::string>();
   if (dt == "float32")

@@ -11,11 +11,12 @@ namespace kt {
 enum class DType { f32, bf16, i64 };
 
 struct View {
-  void* data = nullptr;
+  void* data = nullptr;  // may be null for a tensor with no elements
   DType dtype = DType::f32;
   std::vector<int64_t> shape;
+  bool present = false;  // false: the argument was None
 
-  bool empty() const { return data == nullptr; }
+  bool empty() const { return !present; }
   int64_t numel() const {
     int64_t n = 1;
     for (auto s : shape) n *= s;

@@ -82,6 +82,8 @@ class KTExperts(nn.Module):
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; the experts need "
                              f"[T, {self.hidden_size}].")
+        if not hidden_states.dtype.is_floating_point:
+            raise ValueError(f"hidden_states is {hidden_states.dtype}; it must be a floating-point tensor.")
         T = hidden_states.shape[0]
         if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "

@@ -1,0 +1,98 @@
+"""Builds one routed-experts case: random BF16 experts, routing, LoRA, and the float64 reference grads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kt_sft
+from kt_sft.ops.reference import LoraWeights, moe_experts_reference
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str  # the edge it covers
+    T: int
+    H: int
+    I: int
+    E: int
+    K: int
+    r: int = 8
+    routing: str = "random"  # random: K distinct experts per token; one: every token on expert 0; few: experts 0..K-1
+
+
+def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
+    T, E, K = shape.T, shape.E, shape.K
+    if shape.routing == "one":
+        return torch.zeros(T, K, dtype=torch.int64)
+    if shape.routing == "few":
+        return torch.arange(K).repeat(T, 1)
+    return torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]) if T else torch.zeros(0, K,
+                                                                                                        dtype=torch.int64)
+
+
+def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0) -> kt_sft.KTExperts:
+    gen = torch.Generator().manual_seed(seed)
+    E, H, I = shape.E, shape.H, shape.I
+    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
+    dn = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
+    m = kt_sft.KTExperts(gu, dn, train_base=train_base)
+    if lora:
+        m.add_lora(shape.r, alpha=2.0 * shape.r)
+        with torch.no_grad():  # non-zero B so every LoRA path contributes
+            for p in m.lora_B.values():
+                p.normal_(0, 0.05, generator=gen)
+    return m
+
+
+def inputs(shape: Shape, dtype=torch.float32, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape.T, shape.H, generator=gen).to(dtype)
+    idx = make_routing(shape, gen)
+    w = torch.rand(shape.T, shape.K, generator=gen)
+    gout = torch.randn(shape.T, shape.H, generator=gen).to(dtype)
+    return x, idx, w, gout
+
+
+def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
+    """Output and every gradient from the engine, as a dict of tensors."""
+    for p in m.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    y = m(x, idx, w)
+    y.backward(gout)
+    out = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
+    for p in m.lora_A:
+        out[f"dA_{p}"] = m.lora_A[p].grad
+        out[f"dB_{p}"] = m.lora_B[p].grad
+    if m.gate_up_proj.requires_grad:
+        out["d_gate_up"] = m.gate_up_proj.grad
+        out["d_down"] = m.down_proj.grad
+    return out
+
+
+def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
+    """The same quantities from autograd through the float64 reference."""
+    xd = x.double().requires_grad_()
+    wd = w.double().requires_grad_()
+    gu = m.gate_up_proj.detach().double().requires_grad_()
+    dn = m.down_proj.detach().double().requires_grad_()
+    A = {p: m.lora_A[p].detach().double().requires_grad_() for p in m.lora_A}
+    B = {p: m.lora_B[p].detach().double().requires_grad_() for p in m.lora_B}
+    lora = LoraWeights(A, B, m.lora_scale) if A else None
+    y = moe_experts_reference(xd, idx, wd, gu, dn, lora)
+    leaves = [xd, wd, gu, dn, *A.values(), *B.values()]
+    if y.requires_grad:
+        y.backward(gout.double())
+    for t in leaves:  # with no tokens nothing depends on the leaves: their grads are zero
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)
+    out = {"y": y.detach(), "dx": xd.grad, "dw": wd.grad}
+    for p in A:
+        out[f"dA_{p}"] = A[p].grad
+        out[f"dB_{p}"] = B[p].grad
+    if m.gate_up_proj.requires_grad:
+        out["d_gate_up"] = gu.grad
+        out["d_down"] = dn.grad
+    return out

@@ -1,0 +1,148 @@
+"""Threads, async submission, bad input, device moves and construction paths of the engine."""
+import pytest
+import torch
+
+import kt_sft
+from experts_case import Shape, inputs, make_module, run_engine
+from kt_sft._ext import _C, view
+
+SHAPE = Shape("typical", T=64, H=96, I=80, E=8, K=3, r=5)
+
+
+def test_thread_counts_give_identical_results():
+    m = make_module(SHAPE, lora=True, train_base=True)
+    x, idx, w, g = inputs(SHAPE)
+    results = []
+    for threads in (1, 2, 3):
+        kt_sft.configure(threads=threads)
+        results.append(run_engine(m, x, idx, w, g))
+    kt_sft.configure(threads=0)
+    for other in results[1:]:
+        for key, t in results[0].items():
+            assert torch.equal(t, other[key]), f"{key} differs between thread counts"
+
+
+def test_async_submission_overlaps_python():
+    m = make_module(SHAPE, lora=False)
+    x, idx, w, _ = inputs(SHAPE)
+    out = torch.empty_like(x)
+    pending = m.engine.forward(view(x), view(idx), view(w), view(out), 0, 0.0, [None] * 6, False)
+    # The GIL is free while the engine runs: Python keeps going and collects the result later.
+    busy = sum(range(1000))
+    assert pending.wait() is None and busy
+    with torch.no_grad():
+        assert torch.equal(out, m(x, idx, w))
+
+
+def test_capabilities_report_cpu_and_choice():
+    caps = kt_sft.capabilities()
+    assert caps["kernels"] in caps["runnable_kernels"]
+    assert caps["runnable_kernels"][-1] == "reference"
+    assert set(caps["cpu"]) >= {"avx2_fma", "avx512", "avx512_bf16", "amx_bf16"}
+
+
+def test_unknown_or_unrunnable_kernel_set_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="cannot run on this CPU"):
+        kt_sft.set_kernels("amx_tiles_of_the_future")
+    assert kt_sft.capabilities()["kernels"] in kt_sft.capabilities()["runnable_kernels"]
+
+
+@pytest.fixture
+def module():
+    return make_module(SHAPE, lora=True)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda x, i, w: (x.to(torch.int32), i, w), "floating|float32"),
+        (lambda x, i, w: (x[:, :-1], i, w), r"\[T, 96\]"),
+        (lambda x, i, w: (x, i[:-1], w[:-1]), "must both be"),
+        (lambda x, i, w: (x, i.float(), w), "integer expert ids"),
+        (lambda x, i, w: (x, torch.where(i == i[0, 0], 8, i), w), r"expert id 8 .* \[0, 8\)"),
+        (lambda x, i, w: (x, torch.where(i == i[0, 0], -1, i), w), r"expert id -1"),
+        (lambda x, i, w: (x, i, w.long()), "floating-point"),
+    ],
+    ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "negative_index",
+         "int_weights"],
+)
+def test_bad_inputs_raise_clear_errors(module, mutate, match):
+    x, idx, w, _ = inputs(SHAPE)
+    x, idx, w = mutate(x, idx, w)
+    with pytest.raises(ValueError, match=match):
+        module(x, idx, w)
+
+
+def test_non_contiguous_input_is_handled_and_raw_views_refuse_it(module):
+    x, idx, w, _ = inputs(SHAPE)
+    xt = torch.randn(SHAPE.H, SHAPE.T).T  # non-contiguous
+    with torch.no_grad():
+        assert torch.equal(module(xt, idx, w), module(xt.contiguous(), idx, w))
+    with pytest.raises(ValueError, match="not contiguous"):
+        view(xt, "hidden_states")
+
+
+def test_nan_flagged_on_request(module):
+    x, idx, w, _ = inputs(SHAPE)
+    x[3, 4] = float("nan")
+    module.check_finite = True
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        module(x, idx, w)
+
+
+def test_engine_checks_shapes_itself():
+    gu = torch.zeros(2, 8, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="down_proj has shape"):
+        _C.Engine(2, 4, 4, view(gu), view(torch.zeros(2, 4, 3, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        _C.Engine(2, 4, 4, view(gu.float()), view(torch.zeros(2, 4, 4, dtype=torch.bfloat16)))
+
+
+def test_mismatched_weights_are_refused():
+    with pytest.raises(ValueError, match="do not describe the same experts"):
+        kt_sft.KTExperts(torch.zeros(2, 8, 4), torch.zeros(2, 4, 3))
+
+
+def test_moves_leave_expert_weights_on_cpu_in_bf16(module):
+    ptr = module.gate_up_proj.data_ptr()
+    module.to(torch.float64)
+    assert module.gate_up_proj.dtype == torch.bfloat16 and module.gate_up_proj.data_ptr() == ptr
+    assert module.lora_A["gate"].dtype == torch.float32
+
+
+def test_output_follows_input_dtype(module):
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        y = module(x.double(), idx, w.double())
+    assert y.dtype == torch.float64
+
+
+def test_per_expert_construction_matches_fused():
+    m = make_module(SHAPE, lora=False)
+    I = SHAPE.I
+    gate = [m.gate_up_proj[e, :I] for e in range(SHAPE.E)]
+    up = [m.gate_up_proj[e, I:] for e in range(SHAPE.E)]
+    down = [m.down_proj[e] for e in range(SHAPE.E)]
+    m2 = kt_sft.KTExperts.from_per_expert(gate, up, down)
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), m2(x, idx, w))
+
+
+def test_lora_rank_and_projection_checks(module):
+    with pytest.raises(ValueError, match="positive integer"):
+        module.add_lora(0, 1.0)
+    with pytest.raises(ValueError, match="unknown expert projections"):
+        module.add_lora(4, 8.0, projections=("gate", "o_proj"))
+    module.add_lora(4, 8.0, projections=("down",))
+    x, idx, w, g = inputs(SHAPE)
+    grads = run_engine(module, x, idx, w, g)
+    assert set(k for k in grads if k.startswith("d")) == {"dx", "dw", "dA_down", "dB_down"}
+
+
+def test_second_backward_is_refused(module):
+    x, idx, w, g = inputs(SHAPE)
+    y = module(x.requires_grad_(), idx, w)
+    y.backward(g, retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.backward(g)

@@ -1,0 +1,101 @@
+"""Engine output and every gradient vs autograd through the float64 reference, on each kernel set."""
+import pytest
+import torch
+
+import kt_sft
+from experts_case import Shape, inputs, make_module, run_engine, run_reference
+from tolerances import BF16_GRAD, BF16_IO, FP32_IO, rel_l2
+
+ALL_KERNELS = ["reference", "avx2", "avx512", "avx512_bf16"]
+RUNNABLE = kt_sft.capabilities()["runnable_kernels"]
+
+SHAPES = [
+    Shape("typical", T=40, H=64, I=48, E=8, K=2),
+    Shape("experts_without_tokens", T=3, H=64, I=32, E=16, K=2),
+    Shape("all_tokens_on_one_expert", T=33, H=32, I=48, E=4, K=1, routing="one"),
+    Shape("k1", T=17, H=48, I=32, E=4, K=1),
+    Shape("t1_decode", T=1, H=96, I=64, E=8, K=4),
+    Shape("odd_h_and_i", T=19, H=37, I=29, E=5, K=3, r=3),
+    Shape("single_expert", T=11, H=40, I=24, E=1, K=1),
+    Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
+    Shape("rank_1", T=9, H=32, I=16, E=3, K=2, r=1),
+    Shape("rank_above_tile", T=21, H=48, I=40, E=4, K=2, r=37),
+    Shape("no_tokens", T=0, H=32, I=16, E=4, K=2),
+]
+
+
+@pytest.fixture(params=ALL_KERNELS)
+def kernels(request):
+    name = request.param
+    if name not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {name} kernels (it runs {RUNNABLE})")
+    kt_sft.set_kernels(name)
+    yield name
+    kt_sft.set_kernels(None)
+
+
+def check(got, ref, tol, shape):
+    for key, r in ref.items():
+        g = got[key]
+        assert g is not None, f"{key} missing"
+        assert g.shape == r.shape, key
+        assert torch.isfinite(g).all(), f"{key} not finite"
+        if shape.T:
+            assert g.abs().sum() > 0, f"{key} is all zeros"
+        err = rel_l2(g, r)
+        assert err <= tol, f"{shape.name}: {key} rel L2 {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "no_lora"])
+def test_lora_parity_fp32(kernels, shape, lora):
+    m = make_module(shape, lora=lora)
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: s.name)
+def test_full_mode_parity(kernels, shape):
+    m = make_module(shape, lora=True, train_base=True)
+    x, idx, w, g = inputs(shape)
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    # Base grads land in BF16 param.grad (the parameters' dtype): one rounding.
+    for key in ("d_gate_up", "d_down"):
+        err = rel_l2(got.pop(key), ref.pop(key))
+        assert err <= BF16_GRAD, f"{key} rel L2 {err:.2e}"
+    check(got, ref, FP32_IO, shape)
+
+
+def test_bf16_activations(kernels):
+    shape = SHAPES[0]
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    got = run_engine(m, x, idx, w, g)
+    assert got["y"].dtype == torch.bfloat16 and got["dx"].dtype == torch.bfloat16
+    check(got, run_reference(m, x, idx, w, g), BF16_IO, shape)
+
+
+def test_base_grads_accumulate_across_micro_batches(kernels):
+    shape = SHAPES[0]
+    m = make_module(shape, lora=False, train_base=True)
+    m.gate_up_proj.grad = None
+    x, idx, w, g = inputs(shape)
+    for seed in (1, 2):
+        x, idx, w, g = inputs(shape, seed=seed)
+        m(x, idx, w).backward(g)
+    ref_gu = 0
+    for seed in (1, 2):
+        x, idx, w, g = inputs(shape, seed=seed)
+        ref_gu = ref_gu + run_reference(m, x, idx, w, g)["d_gate_up"]
+    assert rel_l2(m.gate_up_proj.grad, ref_gu) <= BF16_GRAD
+
+
+def test_inference_forward_saves_nothing_and_matches(kernels):
+    shape = SHAPES[4]
+    m = make_module(shape, lora=True)
+    x, idx, w, _ = inputs(shape)
+    with torch.no_grad():
+        y = m(x, idx, w)
+    assert y.grad_fn is None
+    ref = run_reference(m, x, idx, w, torch.zeros_like(x))["y"]
+    assert rel_l2(y, ref) <= FP32_IO
