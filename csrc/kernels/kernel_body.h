@@ -22,11 +22,11 @@ constexpr int W = Simd::W;
 
 // Register tiles. Dot form: MR×NR accumulators plus NR B vectors (A comes from memory operands):
 // 16 of 32 zmm on AVX-512, 12 + 4 = 16 ymm on AVX2. Axpy form: MR×NV accumulators + NV B vectors
-// + 1 broadcast: 24 + 4 + 1 zmm, 9 + 3 + 1 ymm.
+// + 1 broadcast: 24 + 4 + 1 zmm, 12 + 2 + 1 ymm. NV·W divides the engine's 64-column blocks.
 constexpr int NT_MR = W == 8 ? 3 : 4;
 constexpr int NT_NR = 4;
-constexpr int NN_MR = W == 16 ? 6 : (W == 8 ? 3 : 4);
-constexpr int NN_NV = W == 16 ? 4 : (W == 8 ? 3 : 4);
+constexpr int NN_MR = W == 1 ? 4 : 6;
+constexpr int NN_NV = W == 16 ? 4 : (W == 8 ? 2 : 4);
 
 inline void store_out(float* c, float alpha, float v, bool accumulate) {
   *c = accumulate ? *c + alpha * v : alpha * v;
@@ -78,30 +78,30 @@ inline float a_elem(const GemmNN<TB>& g, long m, long k) {
 }
 
 // MR rows × NV vectors of columns starting at n0, reduced over all of K.
-template <bool Trans, class TB>
+template <bool Trans, int NV, class TB>
 void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0) {
-  V acc[NN_MR][NN_NV];
+  V acc[NN_MR][NV];
   for (int i = 0; i < NN_MR; ++i)
-    for (int v = 0; v < NN_NV; ++v) acc[i][v] = Simd::zero();
+    for (int v = 0; v < NV; ++v) acc[i][v] = Simd::zero();
   const float* arow[NN_MR];
   if (!Trans)
     for (int i = 0; i < NN_MR; ++i) arow[i] = g.a.at(m0 + std::min(i, mr - 1)) + g.a_off;
   for (int k = 0; k < g.K; ++k) {
     const TB* br = g.b.at(k) + g.b_off + n0;
-    V bv[NN_NV];
-    for (int v = 0; v < NN_NV; ++v) bv[v] = Simd::load(br + v * W);
+    V bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
     const float* acol = Trans ? g.a.at(k) + g.a_off + m0 : nullptr;
     const float ks = Trans && g.kscale ? g.kscale[k] : 1.f;
     for (int i = 0; i < NN_MR; ++i) {
       float av = Trans ? acol[std::min(i, mr - 1)] * ks : arow[i][k];
       V avv = Simd::set1(av);
-      for (int v = 0; v < NN_NV; ++v) acc[i][v] = Simd::fma(avv, bv[v], acc[i][v]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(avv, bv[v], acc[i][v]);
     }
   }
   float lane[W];
   for (int i = 0; i < mr; ++i) {
     float* c = g.c + long(m0 + i) * g.ldc + n0;
-    for (int v = 0; v < NN_NV; ++v) {
+    for (int v = 0; v < NV; ++v) {
       Simd::store(lane, acc[i][v]);
       for (int l = 0; l < W; ++l) store_out(c + v * W + l, g.alpha, lane[l], g.accumulate);
     }
@@ -121,10 +121,12 @@ void nn_column(const GemmNN<TB>& g, int n) {
 template <bool Trans, class TB>
 void gemm_nn_impl(const GemmNN<TB>& g) {
   constexpr int NB = NN_NV * W;
-  const int nfull = g.N - g.N % NB;
+  const int nfull = g.N - g.N % NB, nvec = g.N - g.N % W;
   for (int n0 = 0; n0 < nfull; n0 += NB)
-    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans>(g, m0, std::min(NN_MR, g.M - m0), n0);
-  for (int n = nfull; n < g.N; ++n) nn_column<Trans>(g, n);
+    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0);
+  for (int n0 = nfull; n0 < nvec; n0 += W)
+    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, 1>(g, m0, std::min(NN_MR, g.M - m0), n0);
+  for (int n = nvec; n < g.N; ++n) nn_column<Trans>(g, n);
 }
 
 template <class TB>

@@ -1,0 +1,266 @@
+"""Layer benchmark: one MoE layer's routed experts, forward and backward with LoRA, side by side.
+
+Compares, in one process and one run (medians of --reps after a warm-up):
+  kt_sft      the CPU engine (training forward that saves for backward, backward, inference forward)
+  torch       the PyTorch BF16 per-expert loop: kt_sft.ops.reference in bfloat16, autograd for backward
+  kt-kernel   the peer's CPU SFT MoE (benchmarks/peer_ktkernel.py), when it is importable and runs here
+and reports achieved GFLOP/s against this machine's measured matmul peak, decode bandwidth against measured
+memory read bandwidth, and peak RSS against the weight bytes.
+
+  python benchmarks/bench_layer.py --shape S            # H=1024 I=512 E=16 K=4 T=256 r=8
+  python benchmarks/bench_layer.py --shape Q --T 2048   # Qwen3-30B-A3B layer, r=16
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kt_sft  # noqa: E402
+from kt_sft.ops.reference import LoraWeights, moe_experts_reference  # noqa: E402
+
+SHAPES = {
+    "S": dict(H=1024, I=512, E=16, K=4, T=256, r=8),
+    "Q": dict(H=2048, I=768, E=128, K=8, T=2048, r=16),
+    "DS": dict(H=7168, I=2048, E=256, K=8, T=512, r=16),
+}
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measured_peak_gflops(threads: int) -> dict:
+    """Achieved GFLOP/s of a large torch matmul (oneDNN / MKL) in fp32 and bf16 on this CPU."""
+    torch.set_num_threads(threads)
+    n = 2048
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        ms = median_ms(lambda: a @ b, 5)
+        out[str(dt).split(".")[-1]] = 2 * n**3 / ms / 1e6
+    return out
+
+
+def measured_read_gbps(threads: int) -> float:
+    """Read bandwidth: sum over a 1 GiB float32 tensor (larger than any cache)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28)
+    ms = median_ms(lambda: x.sum(), 5)
+    return x.numel() * 4 / ms / 1e6
+
+
+def make_layer(E, H, I, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
+    dn = (torch.randn(E, H, I, generator=g) / I**0.5).bfloat16()
+    return gu, dn
+
+
+def make_inputs(T, H, E, K, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    return x, idx, w
+
+
+def bench_ours(gu, dn, x, idx, w, r, reps):
+    m = kt_sft.KTExperts(gu, dn)
+    m.add_lora(r, 2 * r)
+    for p in m.lora_B.values():
+        torch.nn.init.normal_(p, std=0.01)
+    xg = x.clone().requires_grad_()
+    wg = w.clone().requires_grad_()
+    gout = torch.randn_like(x)
+    state = {}
+
+    def fwd():
+        state["y"] = m(xg, idx, wg)
+
+    def bwd():
+        state["y"].backward(gout)
+
+    fwd_ms = median_ms(fwd, reps)
+    bwd_times = []
+    for _ in range(reps + 1):
+        fwd()
+        t0 = time.perf_counter()
+        bwd()
+        bwd_times.append((time.perf_counter() - t0) * 1e3)
+    with torch.no_grad():
+        inf_ms = median_ms(lambda: m(x, idx, w), reps)
+    return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]), infer=inf_ms)
+
+
+def bench_torch(gu, dn, x, idx, w, r, reps):
+    E, H, I = dn.shape[0], dn.shape[1], dn.shape[2]
+    g = torch.Generator().manual_seed(2)
+    A = {p: (torch.randn(E, r, d, generator=g) * 0.01).bfloat16().requires_grad_()
+         for p, d in (("gate", H), ("up", H), ("down", I))}
+    B = {p: (torch.randn(E, d, r, generator=g) * 0.01).bfloat16().requires_grad_()
+         for p, d in (("gate", I), ("up", I), ("down", H))}
+    lora = LoraWeights(A, B, 2.0)
+    xg = x.clone().requires_grad_()
+    wg = w.bfloat16().requires_grad_()
+    gout = torch.randn_like(x)
+    state = {}
+
+    def fwd():
+        state["y"] = moe_experts_reference(xg, idx, wg, gu, dn, lora)
+
+    fwd_ms = median_ms(fwd, reps)
+    bwd_times = []
+    for _ in range(reps + 1):
+        fwd()
+        t0 = time.perf_counter()
+        state["y"].backward(gout)
+        bwd_times.append((time.perf_counter() - t0) * 1e3)
+    return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]))
+
+
+def bench_peer(gu, dn, x, idx, w, r, reps, threads):
+    try:
+        import peer_ktkernel
+    except ImportError as e:
+        return None, f"benchmarks/peer_ktkernel.py not importable: {e}"
+    ok, why = peer_ktkernel.available()
+    if not ok:
+        return None, why
+    peer = peer_ktkernel.make_peer(gu, dn, idx.shape[1], r, 2 * r, threads)
+    gout = torch.randn_like(x)
+    fwd_ms = median_ms(lambda: peer.forward(x, idx, w), reps)
+    bwd_times = []
+    for _ in range(reps + 1):
+        peer.forward(x, idx, w)
+        t0 = time.perf_counter()
+        peer.backward(gout)
+        bwd_times.append((time.perf_counter() - t0) * 1e3)
+    return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:])), "ok"
+
+
+def rss_probe(E, H, I, K, T, r) -> dict:
+    """Peak RSS of a fresh process holding one engine and running forward+backward, vs weight bytes."""
+    code = f"""
+import resource, torch, kt_sft
+def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = rss()
+m = kt_sft.KTExperts(torch.empty({E}, {2 * I}, {H}, dtype=torch.bfloat16).normal_(),
+                     torch.empty({E}, {H}, {I}, dtype=torch.bfloat16).normal_())
+held = rss()
+m.add_lora({r}, {2 * r})
+x = torch.randn({T}, {H}, dtype=torch.bfloat16, requires_grad=True)
+idx = torch.stack([torch.randperm({E})[:{K}] for _ in range({T})])
+w = torch.rand({T}, {K}, requires_grad=True)
+m(x, idx, w).backward(torch.randn({T}, {H}, dtype=torch.bfloat16))
+print(base, held, rss(), kt_sft.capabilities()["scratch_bytes"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    base, held, peak, scratch = map(int, out)
+    wbytes = E * 3 * H * I * 2
+    return dict(weight_gb=wbytes / 1e9, held_over_weights=(held - base) / wbytes,
+                peak_over_weights=(peak - base) / wbytes, scratch_gb=scratch / 1e9, peak_gb=(peak - base) / 1e9)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="S", choices=sorted(SHAPES))
+    for k in ("T", "r", "threads", "reps"):
+        ap.add_argument(f"--{k}", type=int)
+    ap.add_argument("--skip", default="", help="comma list of: torch,peer,decode,rss,peak")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    s = dict(SHAPES[args.shape])
+    s["T"] = args.T or s["T"]
+    s["r"] = args.r or s["r"]
+    threads = args.threads or kt_sft.capabilities()["threads"]
+    reps = args.reps or 5
+    skip = set(filter(None, args.skip.split(",")))
+    kt_sft.configure(threads=threads)
+    torch.set_num_threads(threads)
+    E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
+    caps = kt_sft.capabilities()
+    res = dict(shape=args.shape, **s, threads=threads, kernels=caps["kernels"], cpu=platform.processor() or "x86_64",
+               commit=git_commit(), torch=torch.__version__)
+    flop = 6 * T * K * H * I  # one pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products
+    gu, dn = make_layer(E, H, I, r)
+    x, idx, w = make_inputs(T, H, E, K)
+    res["ours"] = bench_ours(gu, dn, x, idx, w, r, reps)
+    if "torch" not in skip:
+        res["torch"] = bench_torch(gu, dn, x, idx, w, r, reps)
+    if "peer" not in skip:
+        res["peer"], res["peer_status"] = bench_peer(gu, dn, x, idx, w, r, reps, threads)
+    if "decode" not in skip:
+        xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
+        m = kt_sft.KTExperts(gu, dn)
+        m.add_lora(r, 2 * r)
+        with torch.no_grad():
+            res["decode_ms"] = median_ms(lambda: m(xd, idxd, wd), max(reps, 20))
+        res["decode_gbps"] = K * 3 * H * I * 2 / res["decode_ms"] / 1e6
+        del m
+    gc.collect()
+    if "peak" not in skip:
+        res["peak_gflops"] = measured_peak_gflops(threads)
+        res["read_gbps"] = measured_read_gbps(threads)
+    if "rss" not in skip:
+        res["rss"] = rss_probe(E, H, I, K, T, r)
+
+    print(f"\nshape {args.shape}: T={T} H={H} I={I} E={E} K={K} r={r}, {threads} threads, kernels {caps['kernels']}, "
+          f"commit {res['commit']}, torch {res['torch']}")
+    print(f"{'':10s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd':>9s} {'GFLOP/s f/b':>14s}")
+    for name in ("ours", "torch", "peer"):
+        v = res.get(name)
+        if v:
+            print(f"{name:10s} {v['fwd']:9.1f} {v['bwd']:9.1f} {v['fwd'] + v['bwd']:9.1f} "
+                  f"{flop / v['fwd'] / 1e6:6.0f}/{flop / v['bwd'] / 1e6:<6.0f}")
+    if "peer_status" in res and res["peer"] is None:
+        print(f"kt-kernel: not measured ({res['peer_status']})")
+    o = res["ours"]
+    for name in ("torch", "peer"):
+        if res.get(name):
+            v = res[name]
+            print(f"speed-up of ours vs {name} (fwd+bwd): {(v['fwd'] + v['bwd']) / (o['fwd'] + o['bwd']):.2f}x")
+    print(f"inference forward: {o['infer']:.1f} ms")
+    if "peak_gflops" in res:
+        peak = max(res["peak_gflops"].values())
+        print(f"measured matmul peak: {res['peak_gflops']}  -> ours fwd {flop / o['fwd'] / 1e6 / peak:.0%}, "
+              f"bwd {flop / o['bwd'] / 1e6 / peak:.0%} of it")
+        print(f"measured read bandwidth: {res['read_gbps']:.1f} GB/s")
+    if "decode_ms" in res:
+        bw = f" = {res['decode_gbps'] / res['read_gbps']:.0%} of read bandwidth" if "read_gbps" in res else ""
+        print(f"decode T=1: {res['decode_ms']:.3f} ms, {res['decode_gbps']:.1f} GB/s of expert weights{bw}")
+    if "rss" in res:
+        q = res["rss"]
+        print(f"RSS: weights {q['weight_gb']:.2f} GB; held {q['held_over_weights']:.3f}x weights; "
+              f"peak after fwd+bwd {q['peak_gb']:.2f} GB = {q['peak_over_weights']:.2f}x weights "
+              f"(scratch {q['scratch_gb']:.2f} GB)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
