@@ -29,11 +29,16 @@ Gaps against kt_sft (state them next to any number measured through this adapter
   the optimizer step. set_lora() does it here; a fwd/bwd loop that never calls it leaves that cost out.
 - One CPUInfer thread pool per process (a kt-kernel singleton, created by the first make_peer): a later
   make_peer with other `threads` raises instead of silently timing the old pool.
+- Its pool threads are pinned to the NUMA node's cores 0..threads-1 and busy-spin for 50 ms after each job;
+  its task-queue thread and the Python thread are not pinned. With threads = all cores they lose whole
+  scheduler slices (measured: 16 of 16 cores 3-8x slower than 15). Give it threads <= cores - 1, and time
+  it last or 50 ms after other work. forward/backward put torch on one thread (see _torch_one_thread).
 - T per call is bounded by max_tokens (its chunked_prefill_size, sized at make_peer); it prints one
   "Creating AMX_SFT_MOE_TP ..." line per peer.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -72,6 +77,21 @@ def available() -> tuple[bool, str]:
     if not hasattr(kt_kernel.kt_kernel_ext.moe, "AMXBF16_SFT_MOE"):
         return False, f"kt-kernel's loaded '{kt_kernel.__cpu_variant__}' build has no AMXBF16_SFT_MOE"
     return True, f"kt-kernel {kt_kernel.__version__}, {kt_kernel.__cpu_variant__} build"
+
+
+@contextlib.contextmanager
+def _torch_one_thread():
+    """Its wrapper stages inputs and outputs with torch copies. On CPU tensors those run on torch's OpenMP
+    team, whose threads then spin and take cores from its pinned workers (measured on the AMX machine,
+    H1024 I512 E16 K4 r8 T=256, 2 threads: forward 28 ms with torch on 16 threads, 6-9 ms on one).
+    In its real use the copies are GPU<->CPU and use no OpenMP team, so the peer runs with torch on one
+    thread (the switch costs ~16 us a call)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 class KTKernelPeer:
@@ -125,11 +145,13 @@ class KTKernelPeer:
     def forward(self, x, top_k_index, top_k_weights, save_for_backward=True):
         """x [T,H], top_k_index [T,K], top_k_weights [T,K] -> bf16 [T,H]. A repeated saving forward replaces
         the saved one (its cache holds one entry per layer here)."""
-        return self.wrapper.forward(x, top_k_index, top_k_weights, save_for_backward=save_for_backward)
+        with _torch_one_thread():
+            return self.wrapper.forward(x, top_k_index, top_k_weights, save_for_backward=save_for_backward)
 
     def backward(self, grad_out):
         """grad_out [T,H] of the last saving forward -> (dx bf16 [T,H], d top_k_weights float32 [T,K])."""
-        return self.wrapper.backward(grad_out)
+        with _torch_one_thread():
+            return self.wrapper.backward(grad_out)
 
 
 def make_peer(gate_up, down, K, r, alpha, threads, max_tokens=8192, seed=0) -> KTKernelPeer:
