@@ -32,17 +32,25 @@ inline void store_out(float* c, float alpha, float v, bool accumulate) {
   *c = accumulate ? *c + alpha * v : alpha * v;
 }
 
-template <class TB>
-void nt_tile(const GemmNT<TB>& g, int m0, int mr, int n0, int nr) {
-  const float* a[NT_MR];
-  const TB* b[NT_NR];
-  // Rows past the edge repeat the last real row; their results are computed and dropped.
-  for (int i = 0; i < NT_MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1));
-  for (int j = 0; j < NT_NR; ++j) b[j] = g.b.at(n0 + std::min(j, nr - 1));
+// Stores one reduced chunk: the first chunk of K writes (or accumulates into) C, later chunks add.
+inline void store_chunk(float* c, float alpha, float v, bool accumulate, bool first) {
+  store_out(c, alpha, v, accumulate || !first);
+}
+
+// BF16 weight tiles are widened to float32 once per tile and reused by every row block of A, so the
+// inner loops are pure load+FMA (the widening costs 2 shuffle/shift uops per vector, which on the
+// FMA ports cut throughput by a third). K goes in chunks so a widened tile stays in L1 (32 KB).
+constexpr int NT_KC = 2048;
+constexpr int NN_PANEL = 8192;  // floats of one widened axpy-form panel (KC rows × NV·W columns)
+
+// Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
+template <class TBp>
+void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
+             bool accumulate, bool first) {
   V acc[NT_MR][NT_NR];
   for (int i = 0; i < NT_MR; ++i)
     for (int j = 0; j < NT_NR; ++j) acc[i][j] = Simd::zero();
-  const int kv = g.K - g.K % W;
+  const int kv = klen - klen % W;
   for (int k = 0; k < kv; k += W) {
     V bv[NT_NR];
     for (int j = 0; j < NT_NR; ++j) bv[j] = Simd::load(b[j] + k);
@@ -54,17 +62,46 @@ void nt_tile(const GemmNT<TB>& g, int m0, int mr, int n0, int nr) {
   for (int i = 0; i < mr; ++i) {
     for (int j = 0; j < nr; ++j) {
       float s = Simd::hsum(acc[i][j]);
-      for (int k = kv; k < g.K; ++k) s = std::fma(a[i][k], kt::to_f32(b[j][k]), s);
-      store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, s, g.accumulate);
+      for (int k = kv; k < klen; ++k) s = std::fma(a[i][k], kt::to_f32(b[j][k]), s);
+      store_chunk(c + long(i) * ldc + j, alpha, s, accumulate, first);
     }
   }
 }
 
 template <class TB>
 void gemm_nt(const GemmNT<TB>& g) {
-  for (int n0 = 0; n0 < g.N; n0 += NT_NR) {
-    const int nr = std::min(NT_NR, g.N - n0);
-    for (int m0 = 0; m0 < g.M; m0 += NT_MR) nt_tile(g, m0, std::min(NT_MR, g.M - m0), n0, nr);
+  // Widening pays off once a tile is reused by more than one row block (not in decode).
+  constexpr bool widen_type = sizeof(TB) == 2;
+  const bool widen = widen_type && g.M > NT_MR;
+  alignas(64) float wide[widen_type ? NT_NR * NT_KC : 1];
+  for (int k0 = 0; k0 < g.K; k0 += NT_KC) {
+    const int klen = std::min(NT_KC, g.K - k0);
+    for (int n0 = 0; n0 < g.N; n0 += NT_NR) {
+      const int nr = std::min(NT_NR, g.N - n0);
+      // Rows past the edge repeat the last real row; their results are computed and dropped.
+      const TB* b[NT_NR];
+      const float* bw[NT_NR];
+      for (int j = 0; j < NT_NR; ++j) {
+        b[j] = g.b.at(n0 + std::min(j, nr - 1)) + k0;
+        if (widen) {
+          float* dst = wide + j * NT_KC;
+          int k = 0;
+          for (; k + W <= klen; k += W) Simd::store(dst + k, Simd::load(b[j] + k));
+          for (; k < klen; ++k) dst[k] = kt::to_f32(b[j][k]);
+          bw[j] = dst;
+        }
+      }
+      for (int m0 = 0; m0 < g.M; m0 += NT_MR) {
+        const int mr = std::min(NT_MR, g.M - m0);
+        const float* a[NT_MR];
+        for (int i = 0; i < NT_MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1)) + k0;
+        float* c = g.c + long(m0) * g.ldc + n0;
+        if (widen)
+          nt_tile(a, bw, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+        else
+          nt_tile(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+      }
+    }
   }
 }
 
@@ -77,19 +114,25 @@ inline float a_elem(const GemmNN<TB>& g, long m, long k) {
   return g.a.at(m)[g.a_off + k];
 }
 
-// MR rows × NV vectors of columns starting at n0, reduced over all of K.
+// MR rows × NV vectors of columns starting at n0, reduced over k in [k0, k1). B row k is
+// panel + (k − k0)·NV·W when widened, else read in place.
 template <bool Trans, int NV, class TB>
-void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0) {
+void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const float* panel) {
   V acc[NN_MR][NV];
   for (int i = 0; i < NN_MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = Simd::zero();
   const float* arow[NN_MR];
   if (!Trans)
     for (int i = 0; i < NN_MR; ++i) arow[i] = g.a.at(m0 + std::min(i, mr - 1)) + g.a_off;
-  for (int k = 0; k < g.K; ++k) {
-    const TB* br = g.b.at(k) + g.b_off + n0;
+  for (int k = k0; k < k1; ++k) {
     V bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
+    if (panel) {
+      const float* br = panel + long(k - k0) * NV * W;
+      for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
+    } else {
+      const TB* br = g.b.at(k) + g.b_off + n0;
+      for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
+    }
     const float* acol = Trans ? g.a.at(k) + g.a_off + m0 : nullptr;
     const float ks = Trans && g.kscale ? g.kscale[k] : 1.f;
     for (int i = 0; i < NN_MR; ++i) {
@@ -103,7 +146,7 @@ void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0) {
     float* c = g.c + long(m0 + i) * g.ldc + n0;
     for (int v = 0; v < NV; ++v) {
       Simd::store(lane, acc[i][v]);
-      for (int l = 0; l < W; ++l) store_out(c + v * W + l, g.alpha, lane[l], g.accumulate);
+      for (int l = 0; l < W; ++l) store_chunk(c + v * W + l, g.alpha, lane[l], g.accumulate, k0 == 0);
     }
   }
 }
@@ -120,12 +163,25 @@ void nn_column(const GemmNN<TB>& g, int n) {
 
 template <bool Trans, class TB>
 void gemm_nn_impl(const GemmNN<TB>& g) {
-  constexpr int NB = NN_NV * W;
+  constexpr int NB = NN_NV * W, KC = NN_PANEL / NB;
+  constexpr bool widen_type = sizeof(TB) == 2;
+  const bool widen = widen_type && g.M > NN_MR;
+  alignas(64) float panel[widen_type ? NN_PANEL : 1];
   const int nfull = g.N - g.N % NB, nvec = g.N - g.N % W;
-  for (int n0 = 0; n0 < nfull; n0 += NB)
-    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0);
+  for (int n0 = 0; n0 < nfull; n0 += NB) {
+    for (int k0 = 0; k0 < g.K; k0 += KC) {
+      const int k1 = std::min(g.K, k0 + KC);
+      if (widen)
+        for (int k = k0; k < k1; ++k) {
+          const TB* br = g.b.at(k) + g.b_off + n0;
+          for (int v = 0; v < NN_NV; ++v) Simd::store(panel + long(k - k0) * NB + v * W, Simd::load(br + v * W));
+        }
+      for (int m0 = 0; m0 < g.M; m0 += NN_MR)
+        nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0, k0, k1, widen ? panel : nullptr);
+    }
+  }
   for (int n0 = nfull; n0 < nvec; n0 += W)
-    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, 1>(g, m0, std::min(NN_MR, g.M - m0), n0);
+    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, 1>(g, m0, std::min(NN_MR, g.M - m0), n0, 0, g.K, nullptr);
   for (int n = nvec; n < g.N; ++n) nn_column<Trans>(g, n);
 }
 
