@@ -86,7 +86,7 @@ def make_inputs(T, H, E, K, seed=1):
 def bench_ours(gu, dn, x, idx, w, r, reps):
     m = kt_sft.KTExperts(gu, dn)
     m.add_lora(r, 2 * r)
-    for p in m.lora_B.values():
+    for p in m.lora_B["default"].values():
         torch.nn.init.normal_(p, std=0.01)
     xg = x.clone().requires_grad_()
     wg = w.clone().requires_grad_()

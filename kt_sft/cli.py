@@ -60,11 +60,11 @@ def demo(args) -> int:
         last = loss.item()
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {last:.6f}")
-    A = {p: layer.lora_A[p].detach().double() for p in layer.lora_A}
-    B = {p: layer.lora_B[p].detach().double() for p in layer.lora_B}
+    A = {p: t.detach().double() for p, t in layer.lora_A["default"].items()}
+    B = {p: t.detach().double() for p, t in layer.lora_B["default"].items()}
     with torch.no_grad():
         ref = moe_experts_reference(x.double(), idx, w.double(), gu.double(), dn.double(),
-                                    LoraWeights(A, B, layer.lora_scale))
+                                    LoraWeights(A, B, layer.scaling["default"]))
         err = ((layer(x, idx, w).double() - ref).norm() / ref.norm()).item()
     print(f"loss {first:.6f} -> {last:.6f}; engine vs float64 reference after training: rel L2 {err:.1e}")
     return 0 if last < first and err < 1e-4 else 1

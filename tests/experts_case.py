@@ -40,7 +40,7 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # non-zero B so every LoRA path contributes
-            for p in m.lora_B.values():
+            for p in m.lora_B["default"].values():
                 p.normal_(0, 0.05, generator=gen)
     return m
 
@@ -54,6 +54,12 @@ def inputs(shape: Shape, dtype=torch.float32, seed: int = 1):
     return x, idx, w, gout
 
 
+def lora_of(m: kt_sft.KTExperts):
+    """The active adapter's (A, B) dicts by projection, empty without LoRA."""
+    ad = m.active_lora()
+    return (m.lora_A[ad], m.lora_B[ad]) if ad else ({}, {})
+
+
 def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
     """Output and every gradient from the engine, as a dict of tensors."""
     for p in m.parameters():
@@ -63,9 +69,9 @@ def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
     y = m(x, idx, w)
     y.backward(gout)
     out = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
-    for p in m.lora_A:
-        out[f"dA_{p}"] = m.lora_A[p].grad
-        out[f"dB_{p}"] = m.lora_B[p].grad
+    for p, a in lora_of(m)[0].items():
+        out[f"dA_{p}"] = a.grad
+        out[f"dB_{p}"] = lora_of(m)[1][p].grad
     if m.gate_up_proj.requires_grad:
         out["d_gate_up"] = m.gate_up_proj.grad
         out["d_down"] = m.down_proj.grad
@@ -78,9 +84,10 @@ def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
     wd = w.double().requires_grad_()
     gu = m.gate_up_proj.detach().double().requires_grad_()
     dn = m.down_proj.detach().double().requires_grad_()
-    A = {p: m.lora_A[p].detach().double().requires_grad_() for p in m.lora_A}
-    B = {p: m.lora_B[p].detach().double().requires_grad_() for p in m.lora_B}
-    lora = LoraWeights(A, B, m.lora_scale) if A else None
+    A0, B0 = lora_of(m)
+    A = {p: t.detach().double().requires_grad_() for p, t in A0.items()}
+    B = {p: t.detach().double().requires_grad_() for p, t in B0.items()}
+    lora = LoraWeights(A, B, m.scaling[m.active_lora()]) if A else None
     y = moe_experts_reference(xd, idx, wd, gu, dn, lora)
     leaves = [xd, wd, gu, dn, *A.values(), *B.values()]
     if y.requires_grad:

@@ -33,10 +33,14 @@ class KTExperts(nn.Module):
         self.down_proj = nn.Parameter(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
         self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
         self.check_finite = check_finite
-        self.lora_r = 0
-        self.lora_scale = 0.0
-        self.lora_A = nn.ParameterDict()
-        self.lora_B = nn.ParameterDict()
+        # LoRA, keyed by adapter name then projection (PEFT's layout: saved as `lora_A.<adapter>.<proj>`).
+        self.lora_A = nn.ModuleDict()
+        self.lora_B = nn.ModuleDict()
+        self.r: dict[str, int] = {}
+        self.lora_alpha: dict[str, float] = {}
+        self.scaling: dict[str, float] = {}
+        self.use_rslora: dict[str, bool] = {}
+        self._active_adapter = "default"
 
     @classmethod
     def from_per_expert(cls, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
@@ -48,29 +52,49 @@ class KTExperts(nn.Module):
         return cls(gate_up, torch.stack(list(down)).to(torch.bfloat16), **kwargs)
 
     def add_lora(self, r: int, alpha: float, use_rslora: bool = False, projections=PROJECTIONS,
-                 dtype: torch.dtype = torch.float32) -> None:
-        """LoRA on every expert's chosen projections: A [E,r,in] Kaiming-uniform, B [E,out,r] zeros (as PEFT)."""
-        if not isinstance(r, int) or r < 1:
+                 dtype: torch.dtype = torch.float32, adapter: str = "default", init: bool | str = True) -> None:
+        """LoRA on every expert's chosen projections: A [E,r,in], B [E,out,r].
+
+        init=True: A Kaiming-uniform, B zeros (PEFT's default: training starts from the base model);
+        init="gaussian": A normal(0, 1/r); init=False: B random too (for tests, as PEFT's init_lora_weights=False).
+        """
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {r!r}.")
         unknown = set(projections) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"unknown expert projections {sorted(unknown)}; choose from {list(PROJECTIONS)}.")
+        if init not in (True, False, "gaussian"):
+            raise ValueError(f"init_lora_weights={init!r} is not supported on routed experts; use true, false or "
+                             "'gaussian'.")
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
-        self.lora_r, self.lora_scale = r, lora_scale(r, alpha, use_rslora)
-        self.lora_A, self.lora_B = nn.ParameterDict(), nn.ParameterDict()
+        A, B = nn.ParameterDict(), nn.ParameterDict()
         for p in projections:
             fan_in, fan_out = dims[p]
             a = torch.empty(E, r, fan_in, dtype=dtype)
-            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_(a=sqrt(5)) on [r, in], as PEFT's default init
-            a.uniform_(-bound, bound)
-            self.lora_A[p] = nn.Parameter(a)
-            self.lora_B[p] = nn.Parameter(torch.zeros(E, fan_out, r, dtype=dtype))
+            if init == "gaussian":
+                a.normal_(0, 1 / r)
+            else:  # kaiming_uniform_(a=sqrt(5)) on each [r, in] slice, as PEFT's default
+                bound = 1.0 / math.sqrt(fan_in)
+                a.uniform_(-bound, bound)
+            b = torch.zeros(E, fan_out, r, dtype=dtype)
+            if init is False:
+                b.uniform_(-1.0 / math.sqrt(r), 1.0 / math.sqrt(r))
+            A[p], B[p] = nn.Parameter(a), nn.Parameter(b)
+        self.lora_A[adapter], self.lora_B[adapter] = A, B
+        self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
+        self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
+        self._active_adapter = adapter
 
-    def lora_params(self):
+    def active_lora(self) -> str | None:
+        """The adapter the engine applies on this call, or None for the base experts."""
+        return self._active_adapter if self._active_adapter in self.lora_A else None
+
+    def lora_params(self, adapter: str | None):
         out = []
         for p in PROJECTIONS:
-            out += [self.lora_A[p] if p in self.lora_A else None, self.lora_B[p] if p in self.lora_B else None]
+            has = adapter is not None and p in self.lora_A[adapter]
+            out += [self.lora_A[adapter][p] if has else None, self.lora_B[adapter][p] if has else None]
         return out
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -101,17 +125,19 @@ class KTExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden_states, top_k_index, top_k_weights)
-        lora = self.lora_params()
+        adapter = self.active_lora()
+        lora = self.lora_params(adapter)
+        r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
         trains = torch.is_grad_enabled() and (
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc = to_engine(hidden_states)
-            out, _ = run_forward(self, xc, to_engine(top_k_index, torch.int64),
-                                 to_engine(top_k_weights, torch.float32),
+            out, _ = run_forward(self.engine, xc, to_engine(top_k_index, torch.int64),
+                                 to_engine(top_k_weights, torch.float32), r, scale,
                                  [None if p is None else to_engine(p, torch.float32) for p in lora], save=False)
             return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
-        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, self.gate_up_proj,
+        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, r, scale, self.gate_up_proj,
                                      self.down_proj, *lora)
 
     def _apply(self, fn, recurse=True):
@@ -125,5 +151,5 @@ class KTExperts(nn.Module):
             self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
 
     def extra_repr(self) -> str:
-        lora = f", lora_r={self.lora_r}, projections={list(self.lora_A.keys())}" if self.lora_r else ""
+        lora = f", lora_r={self.r}" if self.r else ""
         return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{lora}"

@@ -11,7 +11,9 @@ import torch
 from .._ext import view
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
-N_FIXED_INPUTS = 6  # x, top_k_index, top_k_weights, module, gate_up, down; then the 6 LoRA matrices
+# x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down; then the 6 LoRA matrices
+N_FIXED_INPUTS = 8
+GATE_UP_INPUT, DOWN_INPUT = 6, 7
 
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -25,24 +27,25 @@ def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
 
-def run_forward(module, xc, idx, w, lora32, save):
+def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save):
     """One engine forward on prepared CPU tensors; returns (out, saved-or-None)."""
     out = torch.empty_like(xc)
-    saved = module.engine.forward(
+    saved = engine.forward(
         view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
-        module.lora_r, module.lora_scale, lora_views(lora32), save,
+        lora_r, lora_scale, lora_views(lora32), save,
     ).wait()
     return out, saved
 
 
 class ExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, module, gate_up, down, *lora_params):
+    def forward(ctx, x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down, *lora_params):
         xc = to_engine(x)
         lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
-        out, saved = run_forward(module, xc, to_engine(top_k_index, torch.int64),
-                                 to_engine(top_k_weights, torch.float32), lora32, save=True)
+        out, saved = run_forward(module.engine, xc, to_engine(top_k_index, torch.int64),
+                                 to_engine(top_k_weights, torch.float32), lora_r, lora_scale, lora32, save=True)
         ctx.module = module
+        ctx.lora = (lora_r, lora_scale)
         ctx.saved = saved
         ctx.lora32 = lora32
         ctx.lora_dtypes = [None if p is None else p.dtype for p in lora_params]
@@ -64,13 +67,13 @@ class ExpertsFunction(torch.autograd.Function):
         need = ctx.needs_input_grad
         lora_grads = [torch.zeros_like(p) if p is not None and need[N_FIXED_INPUTS + i] else None
                       for i, p in enumerate(ctx.lora32)]
-        d_gate_up = module.base_grad(module.gate_up_proj) if need[4] else None
-        d_down = module.base_grad(module.down_proj) if need[5] else None
+        d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
+        d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         module.engine.backward(
-            ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), module.lora_r, module.lora_scale,
-            lora_views(ctx.lora32), view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
+            ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), *ctx.lora, lora_views(ctx.lora32), view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
         ).wait()
         ctx.saved = None
         dev, dt = ctx.x_meta
         out_lora = [None if g is None else g.to(dtype) for g, dtype in zip(lora_grads, ctx.lora_dtypes)]
-        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, *out_lora)
+        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, None, None,
+                *out_lora)

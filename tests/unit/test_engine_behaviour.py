@@ -107,7 +107,7 @@ def test_moves_leave_expert_weights_on_cpu_in_bf16(module):
     ptr = module.gate_up_proj.data_ptr()
     module.to(torch.float64)
     assert module.gate_up_proj.dtype == torch.bfloat16 and module.gate_up_proj.data_ptr() == ptr
-    assert module.lora_A["gate"].dtype == torch.float32
+    assert module.lora_A["default"]["gate"].dtype == torch.float32
 
 
 def test_output_follows_input_dtype(module):
