@@ -21,7 +21,7 @@ from ..ops.reference import PROJECTIONS, lora_scale
 class KTExperts(nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, train_base: bool = False,
                  check_finite: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
             raise ValueError("KTExperts takes gate_up_proj [E, 2I, H] and down_proj [E, H, I] (3-D tensors).")
         E, two_i, H = gate_up_proj.shape
@@ -84,7 +84,6 @@ class KTExperts(nn.Module):
         self.lora_A[adapter], self.lora_B[adapter] = A, B
         self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
-        self._active_adapter = adapter
 
     def active_lora(self) -> str | None:
         """The adapter the engine applies on this call, or None for the base experts."""

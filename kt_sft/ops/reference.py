@@ -65,3 +65,25 @@ def _lora(lora: LoraWeights, proj: str, e: int, x: torch.Tensor) -> torch.Tensor
     if A is None:
         return torch.zeros((), dtype=x.dtype)
     return lora.scale * ((x @ A[e].T) @ B[e].T)
+
+
+class ReferenceExperts(torch.nn.Module):
+    """The reference as a transformers 5.x experts module (same call), with optional stacked LoRA.
+
+    Used by model-level parity tests as the stock model's experts carrying the same LoRA in plain PyTorch.
+    """
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora_A: dict | None = None,
+                 lora_B: dict | None = None, scale: float = 0.0):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(gate_up)
+        self.down_proj = torch.nn.Parameter(down)
+        self.lora_A = torch.nn.ParameterDict({p: torch.nn.Parameter(t) for p, t in (lora_A or {}).items()})
+        self.lora_B = torch.nn.ParameterDict({p: torch.nn.Parameter(t) for p, t in (lora_B or {}).items()})
+        self.scale = scale
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        lora = LoraWeights(dict(self.lora_A), dict(self.lora_B), self.scale) if len(self.lora_A) else None
+        w = top_k_weights.to(hidden_states.dtype)
+        return moe_experts_reference(hidden_states, top_k_index, w, self.gate_up_proj.to(hidden_states.dtype),
+                                     self.down_proj.to(hidden_states.dtype), lora)

@@ -1,0 +1,117 @@
+"""Model level: stock transformers + PEFT with the experts swapped for the CPU engine, against the stock
+model whose experts carry the same LoRA in plain PyTorch (kt_sft.ops.reference.ReferenceExperts)."""
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors import safe_open
+
+from kt_sft.models import use_cpu_experts
+from kt_sft.ops.reference import ReferenceExperts
+from kt_sft.peft.layer import KTExpertsLinear
+from tiny_models import CONFIGS, tiny_model
+from tolerances import FP32_IO, TRAIN_STEPS, rel_l2
+
+ARCHS = sorted(CONFIGS)
+LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+
+
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 12), generator=g)
+    return dict(input_ids=ids, labels=ids)
+
+
+def kt_and_reference(model_type):
+    stock = tiny_model(model_type)
+    kt = copy.deepcopy(stock)
+    use_cpu_experts(kt)
+    torch.manual_seed(1)
+    kt = get_peft_model(kt, LoraConfig(**LORA))
+    ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": ["o_proj"]}))
+    state = kt.state_dict()
+    ref.load_state_dict({k: v for k, v in state.items() if "o_proj.lora_" in k}, strict=False)
+    for name, module in list(kt.named_modules()):
+        if isinstance(module, KTExpertsLinear):
+            A, B = module.lora_A["default"], module.lora_B["default"]
+            new = ReferenceExperts(module.gate_up_proj.detach().float(), module.down_proj.detach().float(),
+                                   {p: t.detach().clone() for p, t in A.items()},
+                                   {p: t.detach().clone() for p, t in B.items()}, module.scaling["default"])
+            new.gate_up_proj.requires_grad_(False)
+            new.down_proj.requires_grad_(False)
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent), child, new)
+    return kt, ref
+
+
+def lora_tensors(model):
+    """Every trainable LoRA tensor by a name common to both models."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out[name.replace(".default", "")] = p
+    return out
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_logits_match_stock_model(model_type):
+    stock = tiny_model(model_type)
+    kt = copy.deepcopy(stock)
+    assert use_cpu_experts(kt) >= 1
+    ids = batch(0)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_lora_training_steps_match_reference(model_type):
+    kt, ref = kt_and_reference(model_type)
+    names = lora_tensors(kt)
+    assert set(names) == set(lora_tensors(ref)), "both models train the same LoRA tensors"
+    assert any("experts.lora_A" in n for n in names)
+    opts = [torch.optim.AdamW(lora_tensors(m).values(), lr=1e-3) for m in (kt, ref)]
+    for step in range(5):
+        losses = []
+        for model, opt in zip((kt, ref), opts):
+            opt.zero_grad()
+            loss = model(**batch(step)).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= TRAIN_STEPS * abs(losses[1]), f"step {step}: {losses}"
+    ref_t = lora_tensors(ref)
+    for name, t in lora_tensors(kt).items():
+        assert rel_l2(t, ref_t[name]) <= TRAIN_STEPS, name
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_adapter_saves_expert_lora_and_reloads(model_type, tmp_path):
+    kt, _ = kt_and_reference(model_type)
+    opt = torch.optim.AdamW([p for p in kt.parameters() if p.requires_grad], lr=1e-2)
+    kt(**batch(0)).loss.backward()
+    opt.step()
+    kt.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.endswith("mlp.experts.lora_A.gate") for k in keys), keys
+    fresh = tiny_model(model_type)
+    use_cpu_experts(fresh)
+    loaded = PeftModel.from_pretrained(fresh, tmp_path)
+    ids = batch(3)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, kt(ids).logits)
+
+
+def test_unsupported_model_type_is_a_clear_error():
+    model = torch.nn.Linear(2, 2)
+    model.config = type("Config", (), {"model_type": "gpt2"})()
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        use_cpu_experts(model)
+
+
+def test_lora_dropout_on_experts_is_refused():
+    kt = tiny_model("qwen3_moe")
+    use_cpu_experts(kt)
+    with pytest.raises(ValueError, match="lora_dropout"):
+        get_peft_model(kt, LoraConfig(**{**LORA, "lora_dropout": 0.1}))

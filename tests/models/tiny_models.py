@@ -1,0 +1,41 @@
+"""Tiny random-initialized transformers MoE models of each supported architecture (no hub access)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, hidden_act="silu", tie_word_embeddings=False)
+
+CONFIGS = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=96,
+                                                      moe_intermediate_size=40, num_experts=8,
+                                                      num_experts_per_tok=2, norm_topk_prob=True),
+    "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=6,
+                                                  num_experts_per_tok=2),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
+                                                     shared_expert_intermediate_size=48, num_experts=8,
+                                                     num_experts_per_tok=2),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **COMMON, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+}
+
+
+def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
+    """A float32 model whose expert weights are rounded to BF16 (the engine's storage), so the stock model
+    and the CPU engine compute on identical weights."""
+    torch.manual_seed(seed)
+    config = CONFIGS[model_type]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(p.bfloat16().float())
+            if "gate.e_score_correction_bias" in name:  # deepseek/glm: make the bias matter
+                p.normal_(0, 0.1)
+    return model.eval()
