@@ -1,6 +1,6 @@
-"""kt-sft command line: `doctor` (what this machine can run) and `demo` (LoRA on a random MoE layer's
-experts through the CPU engine, checked against the reference). Model preparation and export arrive with
-the model-integration work."""
+"""kt-sft command line: `doctor` (what this machine can run), `prepare` (a model directory that
+transformers / LLaMA-Factory load with the routed experts on the CPU engine) and `demo` (LoRA on a random MoE
+layer's experts, checked against the reference)."""
 from __future__ import annotations
 
 import argparse
@@ -70,10 +70,25 @@ def demo(args) -> int:
     return 0 if last < first and err < 1e-4 else 1
 
 
+def prepare_cmd(args) -> int:
+    from .integrations.prepare import prepare
+
+    out = prepare(args.model_dir, args.out_dir, threads=args.threads, kernels=args.kernels)
+    print(f"prepared {out}: load it with trust_remote_code (LLaMA-Factory: model_name_or_path: {out}, "
+          "trust_remote_code: true)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="report CPU features, kernel sets, threads, memory and GPU").set_defaults(fn=doctor)
+    p = sub.add_parser("prepare", help="write a directory that LLaMA-Factory / transformers load with CPU experts")
+    p.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors shards)")
+    p.add_argument("out_dir", help="where to write the prepared directory (small: links and config)")
+    p.add_argument("--threads", type=int, help="engine threads (default: all CPUs the process may use)")
+    p.add_argument("--kernels", help="force a kernel set (default: the best this CPU runs)")
+    p.set_defaults(fn=prepare_cmd)
     d = sub.add_parser("demo", help="train expert LoRA on a random MoE layer and check it against the reference")
     for name, default in (("experts", 16), ("hidden", 256), ("intermediate", 128), ("top-k", 4), ("tokens", 256),
                           ("rank", 8), ("steps", 60)):

@@ -11,6 +11,20 @@ class MoEArchitecture:
     # `*NaiveMoe` became `*Experts`); each has gate_up_proj [E,2I,H], down_proj [E,H,I] and the call
     # forward(hidden_states, top_k_index, top_k_weights).
     experts_classes: tuple[str, ...]
+    # Where a checkpoint on disk keeps expert e of layer L (per-expert 2-D tensors, as published and as
+    # transformers saves them), and the names of its gate, up and down projections.
+    checkpoint_experts: str = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+    checkpoint_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # Checkpoint key fragments that the transformers module tree names differently (old, new).
+    key_renames: tuple[tuple[str, str], ...] = ()
+
+    def expert_key(self, layer: int, expert: int, proj: int) -> str:
+        return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])
+
+    def module_key(self, checkpoint_key: str) -> str:
+        for old, new in self.key_renames:
+            checkpoint_key = checkpoint_key.replace(old, new)
+        return checkpoint_key
 
 
 _REGISTRY: dict[str, MoEArchitecture] = {}

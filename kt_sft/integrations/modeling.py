@@ -1,0 +1,51 @@
+"""The class a prepared model directory's `auto_map` names (see `kt-sft prepare`).
+
+`AutoModelForCausalLM.from_pretrained(prepared_dir, trust_remote_code=True)` — what LLaMA-Factory calls —
+lands in `KTSFTForCausalLM.from_pretrained`, which returns the stock transformers model of the checkpoint's
+model_type with its routed experts in the CPU engine (kt_sft.loader.model). Settings recorded by prepare
+live under config.json's "kt_sft" key.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import configure
+from ..loader.model import load_hybrid_model
+
+SETTINGS_KEY = "kt_sft"
+
+
+def _dtype(config, kwargs) -> torch.dtype:
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.bfloat16
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _single_device(device_map):
+    """The one device a device_map names, or None. Experts stay on the CPU whatever it says."""
+    if device_map is None or device_map in ("cpu", "auto"):
+        return None
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) != 1:
+            raise ValueError("kt_sft models take one device for the non-expert weights; pass device_map={'': 0} "
+                             "or a single device (routed experts always stay in CPU memory).")
+        device_map = devices.pop()
+    return torch.device(f"cuda:{device_map}" if isinstance(device_map, int) else device_map)
+
+
+class KTSFTForCausalLM:
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        settings = getattr(config, SETTINGS_KEY, None)
+        if not settings or "source" not in settings:
+            raise ValueError(f"{pretrained_model_name_or_path} was not written by `kt-sft prepare` (config.json has no "
+                             f"'{SETTINGS_KEY}' section); run `kt-sft prepare <model-dir> <out-dir>` first.")
+        if settings.get("threads") or settings.get("kernels"):
+            configure(threads=settings.get("threads") or None, kernels=settings.get("kernels") or None)
+        if kwargs.get("attn_implementation"):
+            config._attn_implementation = kwargs["attn_implementation"]
+        model = load_hybrid_model(settings["source"], config, dtype=_dtype(config, kwargs))
+        device = _single_device(kwargs.get("device_map"))
+        return model.to(device) if device is not None else model

@@ -1,0 +1,48 @@
+"""`kt-sft prepare <hf-model-dir> <out-dir>`: a small directory that the stock loaders open with
+trust_remote_code. It holds config.json (the original, plus auto_map and a "kt_sft" settings section), a
+one-line modeling shim, and links to every other file of the source (tokenizer, generation config, chat
+template); the weight shards are referenced, never copied. Everything is checked before anything is written.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoConfig
+
+from ..loader.checkpoint import Checkpoint
+from ..loader.model import check_checkpoint
+from ..models import architecture_of
+from .modeling import SETTINGS_KEY
+
+SHIM = "modeling_kt_sft.py"
+SHIM_TEXT = '''"""Written by `kt-sft prepare`: routes AutoModelForCausalLM to kt_sft (routed experts on the CPU engine)."""
+from kt_sft.integrations.modeling import KTSFTForCausalLM  # noqa: F401
+'''
+_WEIGHT_FILES = ("model.safetensors.index.json",)
+
+
+def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None) -> Path:
+    source, out = Path(source).resolve(), Path(out)
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
+    config = AutoConfig.from_pretrained(source)
+    architecture_of(config)
+    check_checkpoint(Checkpoint(source), config)
+    if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
+        raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw = json.loads((source / "config.json").read_text())
+    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
+    raw[SETTINGS_KEY] = {"source": str(source), "threads": threads, "kernels": kernels}
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / SHIM).write_text(SHIM_TEXT)
+    for f in source.iterdir():
+        if f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES:
+            continue
+        link = out / f.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(f)
+    return out

@@ -1,0 +1,75 @@
+"""`kt-sft prepare` + AutoModelForCausalLM(trust_remote_code) on tiny checkpoints written as transformers
+saves them (per-expert keys), and the clear errors for bad checkpoints."""
+import json
+
+import pytest
+import torch
+import transformers
+
+from kt_sft.cli import main
+from kt_sft.peft.layer import KTExpertsLinear
+from tiny_models import CONFIGS, tiny_model
+from tolerances import FP32_IO, rel_l2
+
+
+@pytest.fixture
+def saved(tmp_path):
+    def save(model_type):
+        model = tiny_model(model_type)
+        src = tmp_path / f"src_{model_type}"
+        model.save_pretrained(src)
+        (src / "tokenizer_config.json").write_text("{}")  # stands for the tokenizer files, linked not copied
+        return model, src
+    return save
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_prepared_model_loads_through_auto_class_and_matches(saved, tmp_path, model_type):
+    stock, src = saved(model_type)
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(src), str(out), "--threads", "2"]) == 0
+    assert (out / "tokenizer_config.json").is_symlink()
+    assert not list(out.glob("*.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    assert type(model).__name__ == type(stock).__name__
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all(m.gate_up_proj.device.type == "cpu" for m in experts)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_missing_shard_is_named(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="lacks shard.*model-00002-of-00002"):
+        main(["prepare", str(src), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_that_disagrees_with_weights_is_refused(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 48
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight has shape \[40, 64\] but config.json implies"):
+        main(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_unsupported_model_type_is_refused_before_reading_weights(tmp_path):
+    src = tmp_path / "llama"
+    transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64, vocab_size=64).save_pretrained(src)
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        main(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_unprepared_directory_gives_the_fix(saved):
+    from kt_sft.integrations.modeling import KTSFTForCausalLM
+
+    _, src = saved("qwen3_moe")
+    config = transformers.AutoConfig.from_pretrained(src)
+    with pytest.raises(ValueError, match="run `kt-sft prepare"):
+        KTSFTForCausalLM.from_pretrained(src, config=config)
