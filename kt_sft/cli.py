@@ -1,6 +1,6 @@
 """kt-sft command line: `doctor` (what this machine can run), `prepare` (a model directory that
-transformers / LLaMA-Factory load with the routed experts on the CPU engine) and `demo` (LoRA on a random MoE
-layer's experts, checked against the reference)."""
+transformers / LLaMA-Factory load with the routed experts on the CPU engine) and `demo` (a tiny local MoE
+checkpoint, dataset and LLaMA-Factory configs for the quick start)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,6 @@ import sys
 import torch
 
 from . import capabilities
-from .nn.experts import KTExperts
-from .ops.reference import LoraWeights, moe_experts_reference
 
 
 def _mem_gb() -> float:
@@ -35,39 +33,13 @@ def doctor(_args) -> int:
 
 
 def demo(args) -> int:
-    """Fits expert LoRA so a random MoE layer reproduces a perturbed copy of itself."""
-    torch.manual_seed(0)
-    E, H, I, K, T = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens
-    gu = (torch.randn(E, 2 * I, H) / H**0.5).bfloat16()
-    dn = (torch.randn(E, H, I) / I**0.5).bfloat16()
-    layer = KTExperts(gu, dn)
-    layer.add_lora(args.rank, alpha=2 * args.rank)
-    target = KTExperts((gu.float() + 0.02 * torch.randn_like(gu.float())).bfloat16(), dn)
-    x = torch.randn(T, H)
-    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, K), -1)
-    with torch.no_grad():
-        y_target = target(x, idx, w)
-    opt = torch.optim.AdamW(layer.parameters(), lr=args.lr)
-    print(f"LoRA r={args.rank} on {E} experts (H={H}, I={I}, top-{K}), {T} tokens, kernels {capabilities()['kernels']}")
-    first = last = None
-    for step in range(args.steps):
-        loss = torch.nn.functional.mse_loss(layer(x, idx, w), y_target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        first = loss.item() if first is None else first
-        last = loss.item()
-        if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {last:.6f}")
-    A = {p: t.detach().double() for p, t in layer.lora_A["default"].items()}
-    B = {p: t.detach().double() for p, t in layer.lora_B["default"].items()}
-    with torch.no_grad():
-        ref = moe_experts_reference(x.double(), idx, w.double(), gu.double(), dn.double(),
-                                    LoraWeights(A, B, layer.scaling["default"]))
-        err = ((layer(x, idx, w).double() - ref).norm() / ref.norm()).item()
-    print(f"loss {first:.6f} -> {last:.6f}; engine vs float64 reference after training: rel L2 {err:.1e}")
-    return 0 if last < first and err < 1e-4 else 1
+    from .integrations.demo import write_demo
+
+    root = write_demo(args.out_dir)
+    print(f"wrote {root}: a tiny Qwen3-MoE checkpoint (model/), prepared for kt_sft (prepared/), an identity "
+          f"dataset (data/) and LLaMA-Factory configs. Next:\n  cd {root} && llamafactory-cli train train.yaml && "
+          "printf 'Who are you?\\nexit\\n' | llamafactory-cli chat chat.yaml")
+    return 0
 
 
 def prepare_cmd(args) -> int:
@@ -89,11 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, help="engine threads (default: all CPUs the process may use)")
     p.add_argument("--kernels", help="force a kernel set (default: the best this CPU runs)")
     p.set_defaults(fn=prepare_cmd)
-    d = sub.add_parser("demo", help="train expert LoRA on a random MoE layer and check it against the reference")
-    for name, default in (("experts", 16), ("hidden", 256), ("intermediate", 128), ("top-k", 4), ("tokens", 256),
-                          ("rank", 8), ("steps", 60)):
-        d.add_argument(f"--{name}", type=int, default=default)
-    d.add_argument("--lr", type=float, default=2e-3)
+    d = sub.add_parser("demo", help="write a tiny MoE checkpoint, dataset and LLaMA-Factory configs (no downloads)")
+    d.add_argument("out_dir")
     d.set_defaults(fn=demo)
     args = ap.parse_args(argv)
     return args.fn(args)

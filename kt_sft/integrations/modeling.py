@@ -47,5 +47,9 @@ class KTSFTForCausalLM:
         if kwargs.get("attn_implementation"):
             config._attn_implementation = kwargs["attn_implementation"]
         model = load_hybrid_model(settings["source"], config, dtype=_dtype(config, kwargs))
+        # The returned model is the stock class: drop the prepared directory's auto_map, or LLaMA-Factory registers
+        # the stock class for auto-class saving and save_pretrained tries to copy transformers' own modeling file.
+        if hasattr(model.config, "auto_map"):
+            del model.config.auto_map
         device = _single_device(kwargs.get("device_map"))
         return model.to(device) if device is not None else model

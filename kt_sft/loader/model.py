@@ -51,7 +51,7 @@ def check_checkpoint(ckpt: Checkpoint, config) -> None:
                                      f"{list(want[p])}; check that config.json belongs to these weights.")
 
 
-def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = False):
+def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True):
     arch = architecture_of(config)
     ckpt = Checkpoint(source)
     check_checkpoint(ckpt, config)

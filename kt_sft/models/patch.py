@@ -10,7 +10,7 @@ from torch import nn
 from .registry import architecture_of
 
 
-def use_cpu_experts(model: nn.Module, train_base: bool = False) -> int:
+def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU); returns how many."""
     from ..peft.layer import KTExpertsLinear
 

@@ -18,6 +18,21 @@ from ..ops.experts_function import ExpertsFunction, run_forward, to_engine
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
+class ExpertWeight(nn.Parameter):
+    """A BF16 expert weight the engine reads in place. Assigning `.data` (as trainers do to upcast trainable
+    parameters) copies the values into the existing storage instead of swapping it, so the engine's view of the
+    weights stays valid; the dtype stays BF16."""
+
+    @property
+    def data(self):
+        return super().data
+
+    @data.setter
+    def data(self, value):
+        with torch.no_grad():
+            super().data.copy_(value)
+
+
 class KTExperts(nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, train_base: bool = False,
                  check_finite: bool = False):
@@ -29,9 +44,10 @@ class KTExperts(nn.Module):
             raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
                              "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
-        self.gate_up_proj = nn.Parameter(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
-        self.down_proj = nn.Parameter(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
+        self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
+        self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
         self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
+        self._engine_weights = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
         self.check_finite = check_finite
         # LoRA, keyed by adapter name then projection (PEFT's layout: saved as `lora_A.<adapter>.<proj>`).
         self.lora_A = nn.ModuleDict()
@@ -102,6 +118,11 @@ class KTExperts(nn.Module):
         return param.grad
 
     def _check(self, hidden_states, top_k_index, top_k_weights):
+        if (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr()) != self._engine_weights or \
+                self.gate_up_proj.dtype != torch.bfloat16 or self.down_proj.dtype != torch.bfloat16:
+            raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
+                               "them in place, so update them in place (param.data.copy_(...) or an optimizer step) "
+                               "instead of assigning new tensors.")
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; the experts need "
                              f"[T, {self.hidden_size}].")

@@ -146,3 +146,16 @@ def test_second_backward_is_refused(module):
     y.backward(g, retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         y.backward(g)
+
+
+def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(module):
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        before = module(x, idx, w)
+        ptr = module.down_proj.data_ptr()
+        module.down_proj.data = module.down_proj.data.float()  # trainers upcast trainable params like this
+        assert module.down_proj.dtype == torch.bfloat16 and module.down_proj.data_ptr() == ptr
+        assert torch.equal(module(x, idx, w), before)
+    module.down_proj = torch.nn.Parameter(module.down_proj.detach().clone())
+    with pytest.raises(RuntimeError, match="replaced by other tensors"):
+        module(x, idx, w)

@@ -1,0 +1,89 @@
+"""End to end through the stock `llamafactory-cli` (0.9.5, no forks, no use_kt): the demo checkpoint is
+prepared, LoRA-trained (attention + every routed expert on the CPU engine), resumed from a checkpoint on
+the same loss curve, chatted with, and fully fine-tuned."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+
+from kt_sft.integrations.demo import ANSWER, write_demo
+
+# The CLI of this interpreter's environment first (a venv need not be on PATH).
+_HERE = Path(sys.executable).parent / "llamafactory-cli"
+CLI = str(_HERE) if _HERE.exists() else shutil.which("llamafactory-cli")
+
+
+def run(args, cwd, stdin=None):
+    assert CLI, "llamafactory-cli is not installed; README's test command installs it"
+    p = subprocess.run([CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout + p.stderr
+
+
+def write_yaml(path, base, **changes):
+    cfg = yaml.safe_load(base.read_text())
+    cfg.update(changes)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def losses(output_dir):
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return {h["step"]: h["loss"] for h in state["log_history"] if "loss" in h}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return write_demo(tmp_path_factory.mktemp("lf") / "demo")
+
+
+@pytest.fixture(scope="module")
+def lora_run(demo):
+    out = demo / "run_a"
+    run(["train", str(write_yaml(demo / "a.yaml", demo / "train.yaml", output_dir=str(out), save_steps=50))], demo)
+    return out
+
+
+def test_lora_loss_falls_and_adapter_holds_expert_lora(lora_run):
+    curve = losses(lora_run)
+    assert curve[max(curve)] < 0.1 * curve[min(curve)], curve
+    with safe_open(str(lora_run / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.endswith("mlp.experts.lora_A.gate") for k in keys)
+    assert any(k.endswith("self_attn.q_proj.lora_A.weight") for k in keys)
+
+
+def test_resume_continues_the_same_loss_curve(demo, lora_run):
+    out = demo / "run_b"
+    run(["train", str(write_yaml(demo / "b.yaml", demo / "train.yaml", output_dir=str(out),
+                                 resume_from_checkpoint=str(lora_run / "checkpoint-50")))], demo)
+    a, b = losses(lora_run), losses(out)
+    resumed = [s for s in b if s > 50]
+    assert resumed and min(resumed) > 50
+    for s in resumed:
+        assert abs(a[s] - b[s]) <= 1e-3 * max(a[s], 1e-3) + 1e-6, (s, a[s], b[s])
+
+
+def test_chat_with_the_adapter_answers_from_the_data(demo, lora_run):
+    chat = write_yaml(demo / "chat_a.yaml", demo / "chat.yaml", adapter_name_or_path=str(lora_run))
+    out = run(["chat", str(chat)], demo, stdin="Who are you?\nexit\n")
+    assert f"Assistant: {ANSWER}" in out, out[-2000:]
+
+
+def test_full_finetuning_trains_expert_weights(demo):
+    out = demo / "run_full"
+    cfg = write_yaml(demo / "full.yaml", demo / "train.yaml", output_dir=str(out), finetuning_type="full",
+                     learning_rate=1e-4, num_train_epochs=10)
+    run(["train", str(cfg)], demo)
+    curve = losses(out)
+    assert curve[max(curve)] < curve[min(curve)], curve
+    with safe_open(str(demo / "model" / "model.safetensors"), "pt") as before, \
+            safe_open(str(out / "model.safetensors"), "pt") as after:
+        key = "model.layers.0.mlp.experts.0.gate_proj.weight"
+        assert key in after.keys(), "the full checkpoint keeps the published per-expert layout"
+        assert not before.get_tensor(key).equal(after.get_tensor(key)), "expert weights were trained"
