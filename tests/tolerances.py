@@ -42,3 +42,12 @@ def rel_l2(a, ref) -> float:
 # relative differences of the gradients as relative differences of the updates, and 5 steps compound
 # them a few times: 1e-5 on losses and LoRA weights leaves a 10x margin over what was measured (~1e-6).
 TRAIN_STEPS = 1e-5
+
+# The same float32 step with attention on CUDA vs on the CPU: cuBLAS/cuDNN reduce in other orders and
+# fused attention kernels round differently (TF32 stays off), ~1e-5 relative per op; through a 2-layer
+# model and its backward, 1e-3 bounds it with margin.
+GPU_VS_CPU = 1e-3
+
+# Loss under bf16 autocast on the GPU vs float32: bf16 keeps 8 mantissa bits (2^-9 = 2e-3 per rounding) and
+# a forward rounds at every matmul input; 2e-2 of the loss value is ~10 such roundings in the same direction.
+AUTOCAST_LOSS = 2e-2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import view
+from .timing import engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
 # x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down; then the 6 LoRA matrices
@@ -30,10 +31,11 @@ def lora_views(mats):
 def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save):
     """One engine forward on prepared CPU tensors; returns (out, saved-or-None)."""
     out = torch.empty_like(xc)
-    saved = engine.forward(
-        view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
-        lora_r, lora_scale, lora_views(lora32), save,
-    ).wait()
+    with engine_timer("forward"):
+        saved = engine.forward(
+            view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
+            lora_r, lora_scale, lora_views(lora32), save,
+        ).wait()
     return out, saved
 
 
@@ -69,9 +71,11 @@ class ExpertsFunction(torch.autograd.Function):
                       for i, p in enumerate(ctx.lora32)]
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
-        module.engine.backward(
-            ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), *ctx.lora, lora_views(ctx.lora32), view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
-        ).wait()
+        with engine_timer("backward"):
+            module.engine.backward(
+                ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), *ctx.lora, lora_views(ctx.lora32),
+                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
+            ).wait()
         ctx.saved = None
         dev, dt = ctx.x_meta
         out_lora = [None if g is None else g.to(dtype) for g, dtype in zip(lora_grads, ctx.lora_dtypes)]

@@ -1,0 +1,58 @@
+"""The GPU half: attention and router on CUDA, routed experts on the CPU engine, under bf16 autocast, with
+gradient clipping across CPU and GPU parameters. Needs a CUDA device (the GPU test machine); on machines
+without one these tests are skipped and say so."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from kt_sft.models import use_cpu_experts
+from kt_sft.peft.layer import KTExpertsLinear
+from tiny_models import tiny_model
+from tolerances import AUTOCAST_LOSS, BF16_IO, GPU_VS_CPU, rel_l2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def lora_model(model_type="qwen3_moe"):
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
+                                            init_lora_weights=False))
+
+
+def step_grads(model, device, autocast):
+    model = model.to(device).train()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
+    base = lora_model(model_type)
+    gpu = lora_model(model_type)
+    loss_cpu, g_cpu = step_grads(base, torch.device("cpu"), autocast=False)
+    loss_gpu, g_gpu = step_grads(gpu, torch.device("cuda"), autocast=False)
+    experts = [m for m in gpu.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all(m.gate_up_proj.device.type == "cpu" for m in experts)
+    assert all(m.lora_A["default"]["gate"].device.type == "cpu" for m in experts)
+    assert abs(loss_cpu - loss_gpu) <= 1e-4 * abs(loss_cpu)
+    for name, g in g_cpu.items():
+        assert rel_l2(g_gpu[name], g) <= GPU_VS_CPU, name
+
+
+def test_bf16_autocast_and_clipping_across_devices():
+    model = lora_model()
+    loss32, g32 = step_grads(lora_model(), torch.device("cpu"), autocast=False)
+    loss16, g16 = step_grads(model, torch.device("cuda"), autocast=True)
+    assert abs(loss16 - loss32) <= AUTOCAST_LOSS * abs(loss32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert {p.device.type for p in params} == {"cpu", "cuda"}
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm=0.1)
+    assert torch.isfinite(total)
+    clipped = torch.sqrt(sum(p.grad.float().norm().cpu() ** 2 for p in params))
+    assert clipped <= 0.1 * (1 + BF16_IO)
