@@ -22,7 +22,8 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "i
 
 
 def view(t: torch.Tensor | None, name: str = "tensor"):
-    """A (data_ptr, dtype, shape) view of a contiguous CPU tensor, or None."""
+    """A (data_ptr, dtype, shape, tensor) view of a contiguous CPU tensor, or None. The tensor rides along so
+    that a call in flight keeps it alive until its wait() returns."""
     if t is None:
         return None
     if t.device.type != "cpu":
@@ -31,7 +32,7 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
         raise ValueError(f"{name} is not contiguous; call .contiguous() on it first.")
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} is {t.dtype}; the expert engine takes float32, bfloat16 or int64 tensors.")
-    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape))
+    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t)
 
 
 def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None) -> None:

@@ -43,15 +43,32 @@ Lora to_lora(int r, float scale, const py::list& mats) {
   return l;
 }
 
-// A call in flight: wait() releases the GIL while the engine runs.
+// A call in flight: wait() releases the GIL while the engine runs. `keep` holds every tensor view of the
+// call (each view tuple carries its tensor), so dropping the caller's references cannot free memory the
+// engine is still reading.
 struct Pending {
   std::shared_ptr<Ticket> ticket;
   std::shared_ptr<std::shared_ptr<Saved>> result;
+  py::tuple keep;
+  Pending(std::shared_ptr<Ticket> t, std::shared_ptr<std::shared_ptr<Saved>> r, py::tuple k)
+      : ticket(std::move(t)), result(std::move(r)), keep(std::move(k)) {}
+  Pending(Pending&&) = default;
+  Pending(const Pending&) = delete;
+  // Dropped without wait(): finish the call before its tensors can go.
+  ~Pending() {
+    if (!ticket || ticket->done()) return;
+    py::gil_scoped_release nogil;
+    try {
+      ticket->wait();
+    } catch (...) {
+    }
+  }
   py::object wait() {
     {
       py::gil_scoped_release nogil;
       ticket->wait();
     }
+    keep = py::tuple();
     if (result && *result) return py::cast(*result);
     return py::none();
   }
@@ -77,7 +94,7 @@ PYBIND11_MODULE(_C, m) {
              auto result = std::make_shared<std::shared_ptr<Saved>>();
              auto ticket = Runtime::get().queue().submit(
                  [=] { *result = self->forward(vx, vi, vw, vo, l, save); });
-             return Pending{ticket, result};
+             return Pending{ticket, result, py::make_tuple(x, idx, w, out, lora)};
            })
       .def("backward",
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
@@ -97,7 +114,8 @@ PYBIND11_MODULE(_C, m) {
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
              auto ticket = Runtime::get().queue().submit([=] { self->backward(*saved, vx, vd, l, g); });
-             return Pending{ticket, nullptr};
+             return Pending{ticket, nullptr,
+                            py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved))};
            })
       .def_property_readonly("E", &MoeExperts::E)
       .def_property_readonly("H", &MoeExperts::H)

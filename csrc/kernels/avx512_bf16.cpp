@@ -1,8 +1,8 @@
-// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, except the
-// dot-form product with BF16 weights (every forward projection), which rounds the activations to
-// BF16 once per row block and multiplies BF16 pairs straight from the weight rows: 32 multiply-adds
-// per instruction and no widening of the weights. Activations arrive in BF16 from the model anyway;
-// h = silu(g)·u is rounded to BF16 as the model's own dtype would (tests/tolerances.py: BF16_DOT).
+// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus a dot-form
+// product with BF16 weights for BF16 activations (the forward projections of a BF16 model), which rounds
+// the activations to BF16 once per row block and multiplies BF16 pairs straight from the weight rows: 32
+// multiply-adds per instruction and no widening of the weights. x is exact in BF16 already; h = silu(g)·u
+// is rounded as the model's own dtype would (tests/tolerances.py: BF16_DOT).
 #include "simd_avx512.h"
 #include "kernel_body.h"
 
@@ -59,7 +59,7 @@ namespace kt {
 const KernelSet& kernels_avx512_bf16() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("avx512_bf16");
-    s.gemm_nt_bf16 = gemm_nt_bf16_dot;
+    s.gemm_nt_bf16_act = gemm_nt_bf16_dot;
     return s;
   }();
   return set;

@@ -256,7 +256,7 @@ float dot(long n, const float* a, const float* b) {
 }
 
 kt::KernelSet make_kernel_set(const char* name) {
-  return kt::KernelSet{name,         gemm_nt<bf16>,     gemm_nt<float>, gemm_nn<bf16>, gemm_nn<float>,
+  return kt::KernelSet{name,         gemm_nt<bf16>,     gemm_nt<bf16>,  gemm_nt<float>, gemm_nn<bf16>, gemm_nn<float>,
                        silu_mul,     silu_mul_backward, bf16_to_f32,    f32_to_bf16,   scale,
                        axpy,         dot};
 }

@@ -54,6 +54,9 @@ struct GemmNN {
 struct KernelSet {
   const char* name;
   void (*gemm_nt_bf16)(const GemmNT<bf16>&);
+  // The same product for activations that came in as BF16: may round A to BF16 (exact for x itself, and
+  // h = silu(g)·u is rounded as the model's own BF16 dtype would). Float32 inputs never take this path.
+  void (*gemm_nt_bf16_act)(const GemmNT<bf16>&);
   void (*gemm_nt_f32)(const GemmNT<float>&);
   void (*gemm_nn_bf16)(const GemmNN<bf16>&);
   void (*gemm_nn_f32)(const GemmNN<float>&);

@@ -193,6 +193,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   for (int e = 0; e < E_; ++e)
     if (rows_of(*sv, e))
       for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
+  // BF16 activations may take the kernel set's BF16-activation product; float32 ones stay exact.
+  const auto gemm_w = x.dtype == DType::bf16 ? ks.gemm_nt_bf16_act : ks.gemm_nt_bf16;
   rt.parallel_for(long(items.size()), [&](long it, int) {
     const int e = items[it].e, n = rows_of(*sv, e);
     const long i0 = long(items[it].block) * BLOCK;
@@ -200,7 +202,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      ks.gemm_nt_bf16({n, ib, int(H), gathered(xrows, *sv, e),
+      gemm_w({n, ib, int(H), gathered(xrows, *sv, e),
                        {nullptr, gate_up_.as<bf16>() + (long(e) * 2 * I + p * I + i0) * H, H}, c, I, 1.f, false});
       if (Z[p])
         ks.gemm_nn_f32({n, ib, r, slot_rows(Z[p], *sv, e, r), 0, false, nullptr, {nullptr, bt[p] + e * r * I, I}, i0, c,
@@ -229,7 +231,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     const long h0 = long(items[it].block) * BLOCK;
     const int hb = int(std::min<long>(BLOCK, H - h0));
     float* c = Y + sv->offset[e] * H + h0;
-    ks.gemm_nt_bf16({n, hb, int(I), slot_rows(Hh, *sv, e, I), {nullptr, down_.as<bf16>() + (long(e) * H + h0) * I, I}, c, H,
+    gemm_w({n, hb, int(I), slot_rows(Hh, *sv, e, I), {nullptr, down_.as<bf16>() + (long(e) * H + h0) * I, I}, c, H,
                      1.f, false});
     if (Z[DOWN])
       ks.gemm_nn_f32({n, hb, r, slot_rows(Z[DOWN], *sv, e, r), 0, false, nullptr, {nullptr, bt[DOWN] + e * r * H, H}, h0,

@@ -71,9 +71,10 @@ class ExpertsFunction(torch.autograd.Function):
                       for i, p in enumerate(ctx.lora32)]
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
+        dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
         with engine_timer("backward"):
             module.engine.backward(
-                ctx.saved, view(xc), view(to_engine(grad_out, xc.dtype)), *ctx.lora, lora_views(ctx.lora32),
+                ctx.saved, view(xc), view(dout), *ctx.lora, lora_views(ctx.lora32),
                 view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
             ).wait()
         ctx.saved = None

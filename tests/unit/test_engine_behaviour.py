@@ -159,3 +159,19 @@ def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(modul
     module.down_proj = torch.nn.Parameter(module.down_proj.detach().clone())
     with pytest.raises(RuntimeError, match="replaced by other tensors"):
         module(x, idx, w)
+
+
+def test_non_contiguous_grad_output_is_copied_and_kept_alive(module):
+    x, idx, w, g = inputs(SHAPE)
+    expected = run_engine(module, x, idx, w, g)["dx"]
+    xg = x.clone().requires_grad_()
+    module(xg, idx, w).backward(g.T.contiguous().T)  # same values, other strides: the engine gets a copy
+    assert torch.equal(xg.grad, expected)
+
+
+def test_dropping_a_call_in_flight_is_safe():
+    m = make_module(SHAPE, lora=False)
+    x, idx, w, _ = inputs(SHAPE)
+    for _ in range(3):  # the handle and every tensor go at once; the call finishes before they are freed
+        m.engine.forward(view(x.clone()), view(idx.clone()), view(w.clone()), view(torch.empty_like(x)), 0, 0.0,
+                         [None] * 6, False)
