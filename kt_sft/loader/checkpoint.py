@@ -1,8 +1,11 @@
 """A safetensors checkpoint directory: which shard holds which key, tensor shapes from the headers (no
-weight is read to check a checkpoint), and tensors read one at a time through memory maps."""
+weight is read to check a checkpoint), tensors read one at a time, and expert weights read with plain
+file reads straight into the engine's buffers (no memory map, whose touched pages would stay in the
+process's RSS next to the engine's copy, and no intermediate tensor)."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
@@ -42,3 +45,31 @@ class Checkpoint:
 
     def get(self, key: str) -> torch.Tensor:
         return self._open(key).get_tensor(key)
+
+    def _entry(self, key: str):
+        """(shard path, absolute byte offset, dtype string, shape) of a tensor, from its shard's header."""
+        shard = self.dir / self.shard_of[key]
+        if not hasattr(self, "_headers"):
+            self._headers = {}
+        if shard not in self._headers:
+            with open(shard, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._headers[shard] = (8 + n, json.loads(f.read(n)))
+        base, header = self._headers[shard]
+        meta = header[key]
+        return shard, base + meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"])
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Fills `out` (contiguous, CPU) with tensor `key`: file bytes straight into `out` when the dtypes
+        match (BF16 checkpoints into BF16 experts), else through one converted copy."""
+        shard, offset, dtype, shape = self._entry(key)
+        if shape != tuple(out.shape):
+            raise ValueError(f"{key} has shape {list(shape)} but {list(out.shape)} was expected.")
+        if dtype == "BF16" and out.dtype == torch.bfloat16 and out.is_contiguous():
+            buf = memoryview(out.view(torch.int16).numpy()).cast("B")
+            with open(shard, "rb", buffering=0) as f:
+                f.seek(offset)
+                if f.readinto(buf) != len(buf):
+                    raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
+        else:
+            out.copy_(self.get(key))

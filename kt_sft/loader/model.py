@@ -80,9 +80,9 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         gate_up = torch.empty(E, two_i, H, dtype=torch.bfloat16)
         down = torch.empty(E, H, inter, dtype=torch.bfloat16)
         for e in range(E):
-            gate_up[e, :inter] = ckpt.get(arch.expert_key(layer, e, 0))
-            gate_up[e, inter:] = ckpt.get(arch.expert_key(layer, e, 1))
-            down[e] = ckpt.get(arch.expert_key(layer, e, 2))
+            ckpt.read_into(arch.expert_key(layer, e, 0), gate_up[e, :inter])
+            ckpt.read_into(arch.expert_key(layer, e, 1), gate_up[e, inter:])
+            ckpt.read_into(arch.expert_key(layer, e, 2), down[e])
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, KTExpertsLinear(gate_up, down, train_base=train_base))
 

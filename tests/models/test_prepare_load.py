@@ -73,3 +73,20 @@ def test_unprepared_directory_gives_the_fix(saved):
     config = transformers.AutoConfig.from_pretrained(src)
     with pytest.raises(ValueError, match="run `kt-sft prepare"):
         KTSFTForCausalLM.from_pretrained(src, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_reads_match_safetensors(tmp_path, dtype):
+    from safetensors.torch import save_file
+
+    from kt_sft.loader.checkpoint import Checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(5 + i, 7, generator=g).to(dtype) for i in range(3)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = Checkpoint(tmp_path)
+    fused = torch.empty(2, 6, 7, dtype=torch.bfloat16)
+    ckpt.read_into("w1", fused[0])  # a slice of a larger buffer, as the loader fills expert stacks
+    assert torch.equal(fused[0], tensors["w1"].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="has shape"):
+        ckpt.read_into("w0", fused[1])
