@@ -44,19 +44,19 @@ constexpr int NT_KC = 2048;
 constexpr int NN_PANEL = 8192;  // floats of one widened axpy-form panel (KC rows × NV·W columns)
 
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
-template <class TBp>
+template <int MR, int NR, class TBp>
 void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
              bool accumulate, bool first) {
-  V acc[NT_MR][NT_NR];
-  for (int i = 0; i < NT_MR; ++i)
-    for (int j = 0; j < NT_NR; ++j) acc[i][j] = Simd::zero();
+  V acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = Simd::zero();
   const int kv = klen - klen % W;
   for (int k = 0; k < kv; k += W) {
-    V bv[NT_NR];
-    for (int j = 0; j < NT_NR; ++j) bv[j] = Simd::load(b[j] + k);
-    for (int i = 0; i < NT_MR; ++i) {
+    V bv[NR];
+    for (int j = 0; j < NR; ++j) bv[j] = Simd::load(b[j] + k);
+    for (int i = 0; i < MR; ++i) {
       V av = Simd::load(a[i] + k);
-      for (int j = 0; j < NT_NR; ++j) acc[i][j] = Simd::fma(av, bv[j], acc[i][j]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = Simd::fma(av, bv[j], acc[i][j]);
     }
   }
   for (int i = 0; i < mr; ++i) {
@@ -68,8 +68,23 @@ void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int n
   }
 }
 
+// One activation row (decode): every FMA is useful with MR = 1, and 8 weight rows in flight keep the
+// memory streams busy (8 accumulators + 8 weight vectors fit the 16 ymm of AVX2).
+template <class TB>
+void gemm_nt_row(const GemmNT<TB>& g) {
+  constexpr int NR = 8;
+  const float* a[1] = {g.a.at(0)};
+  for (int n0 = 0; n0 < g.N; n0 += NR) {
+    const int nr = std::min(NR, g.N - n0);
+    const TB* b[NR];
+    for (int j = 0; j < NR; ++j) b[j] = g.b.at(n0 + std::min(j, nr - 1));
+    nt_tile<1, NR>(a, b, g.K, 1, nr, g.c + n0, g.ldc, g.alpha, g.accumulate, true);
+  }
+}
+
 template <class TB>
 void gemm_nt(const GemmNT<TB>& g) {
+  if (g.M == 1) return gemm_nt_row(g);
   // Widening pays off once a tile is reused by more than one row block (not in decode).
   constexpr bool widen_type = sizeof(TB) == 2;
   const bool widen = widen_type && g.M > NT_MR;
@@ -97,9 +112,9 @@ void gemm_nt(const GemmNT<TB>& g) {
         for (int i = 0; i < NT_MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1)) + k0;
         float* c = g.c + long(m0) * g.ldc + n0;
         if (widen)
-          nt_tile(a, bw, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+          nt_tile<NT_MR, NT_NR>(a, bw, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
         else
-          nt_tile(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+          nt_tile<NT_MR, NT_NR>(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
       }
     }
   }

@@ -2,6 +2,7 @@
 // n threads starts n-1 workers. Work is a function of (ith, nth); run() returns when every thread
 // has finished it. Kernels never create threads, allocate or read the environment (STYLE.md 5).
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -35,7 +36,8 @@ class ThreadPool {
   std::condition_variable cv_start_, cv_done_;
   const std::function<void(int, int)>* job_ = nullptr;
   uint64_t generation_ = 0;
-  int pending_ = 0;
+  std::atomic<uint64_t> published_{0};  // generation_, readable without the lock for spinning
+  std::atomic<int> pending_{0};
   bool stop_ = false;
   std::exception_ptr error_;
   std::mutex run_mu_;  // one run() at a time
