@@ -97,6 +97,16 @@ void combine(const View& out, const float* rows, long ld, const std::vector<int>
   });
 }
 
+// Expert e's LoRA B of projection p, [out, r], into [r, out] rows of `bt` (so "out of rank space" products
+// run in axpy form over contiguous rows).
+void transpose_b(const Lora& lora, int p, long e, long out, float* bt) {
+  const int r = lora.r;
+  const float* B = lora.B[p].as<float>() + e * out * r;
+  float* dst = bt + e * r * out;
+  for (long o = 0; o < out; ++o)
+    for (int j = 0; j < r; ++j) dst[j * out + o] = B[o * r + j];
+}
+
 float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
   p.reset(new float[n]);
   sv.bytes += n * sizeof(float);
@@ -179,10 +189,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     const int n = rows_of(*sv, int(e));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty() || n == 0) continue;
-      const float* B = lora.B[p].as<float>() + e * outd[p] * r;
-      float* dst = bt[p] + e * r * outd[p];
-      for (long o = 0; o < outd[p]; ++o)
-        for (int j = 0; j < r; ++j) dst[j * outd[p] + o] = B[o * r + j];
+      transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
       ks.gemm_nt_f32({n, r, int(H), gathered(xrows, *sv, int(e)), {nullptr, lora.A[p].as<float>() + e * r * in[p], in[p]},
                       Z[p] + sv->offset[e] * r, r, 1.f, false});
@@ -294,13 +301,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
 
   rt.parallel_for(E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
-    for (int p = 0; p < 3; ++p) {
-      if (!lora_on[p] || n == 0) continue;
-      const float* B = lora.B[p].as<float>() + e * outd[p] * r;
-      float* dst = bt[p] + e * r * outd[p];
-      for (long o = 0; o < outd[p]; ++o)
-        for (int j = 0; j < r; ++j) dst[j * outd[p] + o] = B[o * r + j];
-    }
+    for (int p = 0; p < 3; ++p)
+      if (lora_on[p] && n) transpose_b(lora, p, e, outd[p], bt[p]);
     if (lora_on[DOWN] && n)
       ks.gemm_nt_f32({n, r, int(H), gathered(drows, sv, int(e)), {nullptr, bt[DOWN] + e * r * H, H},
                       wz[DOWN] + sv.offset[e] * r, r, 1.f, false});
