@@ -274,6 +274,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   }
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
+  // LoRA grads of experts that got no token are zeros (the others are overwritten below).
+  for (int e = 0; e < E_; ++e) {
+    if (T > 0 && rows_of(sv, e)) continue;
+    for (int p = 0; p < 3; ++p) {
+      if (!gr.dA[p].empty()) std::fill_n(gr.dA[p].as<float>() + long(e) * r * in[p], long(r) * in[p], 0.f);
+      if (!gr.dB[p].empty()) std::fill_n(gr.dB[p].as<float>() + long(e) * outd[p] * r, outd[p] * long(r), 0.f);
+    }
+  }
   if (T == 0) return;
 
   Scratch& sc = rt.scratch();
@@ -370,7 +378,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
   combine(gr.dx, dXs, H, sv.slot_of, nullptr, T, K, rt, per_thread);
 
-  // Weight gradients, all accumulating: kinds below index the work items of one parallel phase.
+  // Weight gradients (LoRA overwritten, base accumulated): kinds index the work items of one parallel phase.
   enum { dA_DOWN, dB_DOWN, dA_GU, dB_GU, dW_DOWN, dW_GU };
   items.clear();
   for (int e = 0; e < E_; ++e) {
@@ -396,34 +404,34 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const float* w = sv.slot_w.data() + sv.offset[e];
     float* dgu[2] = {dG, dU};
     switch (kind) {
-      case dA_DOWN: {  // dAd[j, i] += s Σ_m w_m zb[m, j] h[m, i]
+      case dA_DOWN: {  // dAd[j, i] = s Σ_m w_m zb[m, j] h[m, i]
         const int cb = int(std::min<long>(BLOCK, I - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(wz[DOWN], sv, e, r), 0, true, w, slot_rows(Hh, sv, e, I), c0,
-                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, s, true});
+                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, s, false});
         break;
       }
-      case dB_DOWN: {  // dBd[h, j] += s Σ_m w_m zd[m, j] dout[m, h], computed as [j, h] then transposed
+      case dB_DOWN: {  // dBd[h, j] = s Σ_m w_m zd[m, j] dout[m, h], computed as [j, h] then transposed
         const int cb = int(std::min<long>(BLOCK, H - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[DOWN].get(), sv, e, r), 0, true, w, gathered(drows, sv, e), c0, tmp,
                         cb, s, false});
         float* dB = gr.dB[DOWN].as<float>() + long(e) * H * r;
         for (int j = 0; j < r; ++j)
-          for (int h = 0; h < cb; ++h) dB[(c0 + h) * r + j] += tmp[j * cb + h];
+          for (int h = 0; h < cb; ++h) dB[(c0 + h) * r + j] = tmp[j * cb + h];
         break;
       }
-      case dA_GU: {  // dAp[j, h] += s Σ_m wz[m, j] x[m, h]
+      case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] x[m, h]
         const int cb = int(std::min<long>(BLOCK, H - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(wz[p], sv, e, r), 0, true, nullptr, gathered(xrows, sv, e), c0,
-                        gr.dA[p].as<float>() + long(e) * r * H + c0, H, s, true});
+                        gr.dA[p].as<float>() + long(e) * r * H + c0, H, s, false});
         break;
       }
-      case dB_GU: {  // dBp[i, j] += s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed
+      case dB_GU: {  // dBp[i, j] = s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed
         const int cb = int(std::min<long>(BLOCK, I - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[p].get(), sv, e, r), 0, true, nullptr, slot_rows(dgu[p], sv, e, I), c0,
                         tmp, cb, s, false});
         float* dB = gr.dB[p].as<float>() + long(e) * I * r;
         for (int j = 0; j < r; ++j)
-          for (int i = 0; i < cb; ++i) dB[(c0 + i) * r + j] += tmp[j * cb + i];
+          for (int i = 0; i < cb; ++i) dB[(c0 + i) * r + j] = tmp[j * cb + i];
         break;
       }
       case dW_DOWN: {  // dWd[h, i] += Σ_m w_m dout[m, h] h[m, i]

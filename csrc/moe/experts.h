@@ -27,8 +27,10 @@ struct Lora {
   View A[3], B[3];
 };
 
-// Gradients: LoRA A/B grads (float32) and base-weight grads (float32 or bfloat16) ACCUMULATE into
-// what they are given, as param.grad does across micro-batches; dx and dw are OVERWRITTEN.
+// Gradients: base-weight grads (float32 or bfloat16) ACCUMULATE into what they are given, as param.grad
+// does across micro-batches (they are the size of the weights, so no second buffer is made for them);
+// dx, dw and the LoRA A/B grads (float32) are OVERWRITTEN, experts without tokens getting zeros, so
+// the caller need not zero-fill LoRA-sized buffers every step.
 struct Grads {
   View dx, dw;
   View dA[3], dB[3];

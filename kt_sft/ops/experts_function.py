@@ -67,8 +67,8 @@ class ExpertsFunction(torch.autograd.Function):
         wdev, wdt, wshape = ctx.w_meta
         dw = torch.empty(wshape, dtype=torch.float32)
         need = ctx.needs_input_grad
-        lora_grads = [torch.zeros_like(p) if p is not None and need[N_FIXED_INPUTS + i] else None
-                      for i, p in enumerate(ctx.lora32)]
+        lora_grads = [torch.empty_like(p) if p is not None and need[N_FIXED_INPUTS + i] else None
+                      for i, p in enumerate(ctx.lora32)]  # the engine overwrites them
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
