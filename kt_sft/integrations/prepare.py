@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig
 
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
-from ..models import architecture_of
+from ..models import architecture_of, canonical_model_type
 from .modeling import SETTINGS_KEY
 
 SHIM = "modeling_kt_sft.py"
@@ -26,16 +26,23 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     source, out = Path(source).resolve(), Path(out)
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
-    config = AutoConfig.from_pretrained(source)
+    raw = json.loads((source / "config.json").read_text())
+    published_type = raw.get("model_type")
+    raw["model_type"] = canonical_model_type(published_type)
+    raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
+    config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
+    if config is None:
+        raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
+                         "configuration).")
     architecture_of(config)
     check_checkpoint(Checkpoint(source), config)
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
     out.mkdir(parents=True, exist_ok=True)
 
-    raw = json.loads((source / "config.json").read_text())
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
-    raw[SETTINGS_KEY] = {"source": str(source), "threads": threads, "kernels": kernels}
+    raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
+                         "kernels": kernels}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / SHIM).write_text(SHIM_TEXT)
     for f in source.iterdir():

@@ -28,6 +28,8 @@ class MoEArchitecture:
 
 
 _REGISTRY: dict[str, MoEArchitecture] = {}
+# model_types published with their own remote code that are a registered architecture under another name.
+_ALIASES: dict[str, str] = {}
 
 
 def register(arch: MoEArchitecture) -> MoEArchitecture:
@@ -35,9 +37,18 @@ def register(arch: MoEArchitecture) -> MoEArchitecture:
     return arch
 
 
+def register_alias(model_type: str, same_as: str) -> None:
+    _ALIASES[model_type] = same_as
+
+
+def canonical_model_type(model_type: str) -> str:
+    """The transformers model_type that serves `model_type` (itself unless it is an alias)."""
+    return _ALIASES.get(model_type, model_type)
+
+
 def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
-                         f"{', '.join(sorted(_REGISTRY))}.")
+                         f"{', '.join(sorted([*_REGISTRY, *_ALIASES]))}.")
     return _REGISTRY[model_type]

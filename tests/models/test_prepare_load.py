@@ -90,3 +90,20 @@ def test_expert_reads_match_safetensors(tmp_path, dtype):
     assert torch.equal(fused[0], tensors["w1"].to(torch.bfloat16))
     with pytest.raises(ValueError, match="has shape"):
         ckpt.read_into("w0", fused[1])
+
+
+def test_kimi_k2_checkpoint_is_served_as_deepseek_v3(saved, tmp_path):
+    stock, src = saved("deepseek_v3")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"  # as Kimi-K2 publishes it, with its own remote code
+    cfg["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                       "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(src), str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3" and written["kt_sft"]["source_model_type"] == "kimi_k2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
