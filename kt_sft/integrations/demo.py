@@ -87,7 +87,10 @@ def write_demo(root: str | Path) -> Path:
     }
     chat = {"model_name_or_path": str(prepared), "adapter_name_or_path": str(adapter), "trust_remote_code": True,
             "template": "qwen", "finetuning_type": "lora", "infer_backend": "huggingface", "do_sample": False,
-            "max_new_tokens": 64}
+            "max_new_tokens": 64,
+            # Chat in the dtype the adapter was trained in: on a GPU LLaMA-Factory would pick bfloat16, and a
+            # tiny model that memorized its answer in float32 can flip a greedy token there.
+            "infer_dtype": "float32"}
     (root / "train.yaml").write_text(yaml_text(train))
     (root / "chat.yaml").write_text(yaml_text(chat))
     return root
