@@ -43,6 +43,14 @@ inline void store_chunk(float* c, float alpha, float v, bool accumulate, bool fi
 constexpr int NT_KC = 2048;
 constexpr int NN_PANEL = 8192;  // floats of one widened axpy-form panel (KC rows × NV·W columns)
 
+// dst[0, n) = src as float32: BF16 widened W lanes at a time (a plain copy for float32 sources).
+template <class TS>
+inline void to_f32_row(const TS* src, long n, float* dst) {
+  long i = 0;
+  for (; i + W <= n; i += W) Simd::store(dst + i, Simd::load(src + i));
+  for (; i < n; ++i) dst[i] = kt::to_f32(src[i]);
+}
+
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
 template <int MR, int NR, class TBp>
 void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
@@ -99,11 +107,8 @@ void gemm_nt(const GemmNT<TB>& g) {
       for (int j = 0; j < NT_NR; ++j) {
         b[j] = g.b.at(n0 + std::min(j, nr - 1)) + k0;
         if (widen) {
-          float* dst = wide + j * NT_KC;
-          int k = 0;
-          for (; k + W <= klen; k += W) Simd::store(dst + k, Simd::load(b[j] + k));
-          for (; k < klen; ++k) dst[k] = kt::to_f32(b[j][k]);
-          bw[j] = dst;
+          bw[j] = wide + j * NT_KC;
+          to_f32_row(b[j], klen, wide + j * NT_KC);
         }
       }
       for (int m0 = 0; m0 < g.M; m0 += NT_MR) {
@@ -187,10 +192,7 @@ void gemm_nn_impl(const GemmNN<TB>& g) {
     for (int k0 = 0; k0 < g.K; k0 += KC) {
       const int k1 = std::min(g.K, k0 + KC);
       if (widen)
-        for (int k = k0; k < k1; ++k) {
-          const TB* br = g.b.at(k) + g.b_off + n0;
-          for (int v = 0; v < NN_NV; ++v) Simd::store(panel + long(k - k0) * NB + v * W, Simd::load(br + v * W));
-        }
+        for (int k = k0; k < k1; ++k) to_f32_row(g.b.at(k) + g.b_off + n0, NB, panel + long(k - k0) * NB);
       for (int m0 = 0; m0 < g.M; m0 += NN_MR)
         nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0, k0, k1, widen ? panel : nullptr);
     }
@@ -237,11 +239,7 @@ void silu_mul_backward(long n, const float* g, const float* u, const float* dh, 
   }
 }
 
-void bf16_to_f32(long n, const bf16* src, float* dst) {
-  long i = 0;
-  for (; i + W <= n; i += W) Simd::store(dst + i, Simd::load(src + i));
-  for (; i < n; ++i) dst[i] = kt::bf16_to_f32(src[i]);
-}
+void bf16_to_f32(long n, const bf16* src, float* dst) { to_f32_row(src, n, dst); }
 
 void f32_to_bf16(long n, const float* src, bf16* dst) {
   for (long i = 0; i < n; ++i) dst[i] = kt::f32_to_bf16(src[i]);

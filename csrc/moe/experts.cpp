@@ -97,14 +97,16 @@ void combine(const View& out, const float* rows, long ld, const std::vector<int>
   });
 }
 
-// Expert e's LoRA B of projection p, [out, r], into [r, out] rows of `bt` (so "out of rank space" products
-// run in axpy form over contiguous rows).
+// dst[c, r] = src[r, c] for src [rows, cols]: LoRA B [out, r] goes to [r, out] so "out of rank space"
+// products run in axpy form over contiguous rows, and grads of B computed as [r, out] go back.
+void transpose(const float* src, long rows, long cols, float* dst) {
+  for (long i = 0; i < rows; ++i)
+    for (long j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+}
+
+// Expert e's LoRA B of projection p, [out, r], into its [r, out] slot of `bt`.
 void transpose_b(const Lora& lora, int p, long e, long out, float* bt) {
-  const int r = lora.r;
-  const float* B = lora.B[p].as<float>() + e * out * r;
-  float* dst = bt + e * r * out;
-  for (long o = 0; o < out; ++o)
-    for (int j = 0; j < r; ++j) dst[j * out + o] = B[o * r + j];
+  transpose(lora.B[p].as<float>() + e * out * lora.r, out, lora.r, bt + e * lora.r * out);
 }
 
 float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
@@ -414,9 +416,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         const int cb = int(std::min<long>(BLOCK, H - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[DOWN].get(), sv, e, r), 0, true, w, gathered(drows, sv, e), c0, tmp,
                         cb, s, false});
-        float* dB = gr.dB[DOWN].as<float>() + long(e) * H * r;
-        for (int j = 0; j < r; ++j)
-          for (int h = 0; h < cb; ++h) dB[(c0 + h) * r + j] = tmp[j * cb + h];
+        transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r);
         break;
       }
       case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] x[m, h]
@@ -429,9 +429,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         const int cb = int(std::min<long>(BLOCK, I - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[p].get(), sv, e, r), 0, true, nullptr, slot_rows(dgu[p], sv, e, I), c0,
                         tmp, cb, s, false});
-        float* dB = gr.dB[p].as<float>() + long(e) * I * r;
-        for (int j = 0; j < r; ++j)
-          for (int i = 0; i < cb; ++i) dB[(c0 + i) * r + j] = tmp[j * cb + i];
+        transpose(tmp, r, cb, gr.dB[p].as<float>() + (long(e) * I + c0) * r);
         break;
       }
       case dW_DOWN: {  // dWd[h, i] += Σ_m w_m dout[m, h] h[m, i]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._ext import _C, view
-from ..ops.experts_function import ExpertsFunction, run_forward, to_engine
+from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_engine
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -152,10 +152,8 @@ class KTExperts(nn.Module):
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
-            xc = to_engine(hidden_states)
-            out, _ = run_forward(self.engine, xc, to_engine(top_k_index, torch.int64),
-                                 to_engine(top_k_weights, torch.float32), r, scale,
-                                 [None if p is None else to_engine(p, torch.float32) for p in lora], save=False)
+            xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
+            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False)
             return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
         return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, r, scale, self.gate_up_proj,
                                      self.down_proj, *lora)

@@ -24,6 +24,12 @@ def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return t.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
+def engine_inputs(x, top_k_index, top_k_weights, lora_params):
+    """The call's tensors as the engine takes them: x (bf16/f32), int64 ids, float32 weights and LoRA."""
+    lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
+    return to_engine(x), to_engine(top_k_index, torch.int64), to_engine(top_k_weights, torch.float32), lora32
+
+
 def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
@@ -42,10 +48,8 @@ def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save):
 class ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down, *lora_params):
-        xc = to_engine(x)
-        lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
-        out, saved = run_forward(module.engine, xc, to_engine(top_k_index, torch.int64),
-                                 to_engine(top_k_weights, torch.float32), lora_r, lora_scale, lora32, save=True)
+        xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
+        out, saved = run_forward(module.engine, xc, idx, w, lora_r, lora_scale, lora32, save=True)
         ctx.module = module
         ctx.lora = (lora_r, lora_scale)
         ctx.saved = saved
