@@ -25,6 +25,10 @@ View to_view(const py::object& o) {
     v.dtype = DType::bf16;
   else if (dt == "int64")
     v.dtype = DType::i64;
+  else if (dt == "int32")
+    v.dtype = DType::i32;
+  else if (dt == "float8_e4m3fn")
+    v.dtype = DType::fp8_e4m3;
   else
     throw std::invalid_argument("tensors of dtype " + dt + " cannot cross into the expert engine.");
   v.shape = t[2].cast<std::vector<int64_t>>();
@@ -82,10 +86,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Pending>(m, "Pending").def("wait", &Pending::wait).def("done", [](Pending& p) { return p.ticket->done(); });
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
-      .def(py::init([](int E, int H, int I, py::object gu, py::object down) {
-             return std::make_shared<MoeExperts>(E, H, I, to_view(gu), to_view(down));
+      .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale) {
+             ExpertWeights w{to_view(gu), to_view(down), to_view(gu_scale), to_view(down_scale)};
+             // Construction checks quantized weights on the pool, so it queues behind calls in flight.
+             std::shared_ptr<MoeExperts> engine;
+             py::gil_scoped_release nogil;
+             Runtime::get().queue().submit([&] { engine = std::make_shared<MoeExperts>(E, H, I, w); })->wait();
+             return engine;
            }),
-           py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"))
+           py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"),
+           py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none())
+      .def_property_readonly("format", [](const MoeExperts& m) { return std::string(format_name(m.format())); })
       .def("forward",
            [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
               float scale, py::list lora, bool save) {

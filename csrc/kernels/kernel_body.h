@@ -9,14 +9,17 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels.h"
 
 namespace {
 
 using kt::bf16;
+using kt::fp8_block;
 using kt::GemmNN;
 using kt::GemmNT;
+using kt::int4_group;
 using V = Simd::V;
 constexpr int W = Simd::W;
 
@@ -51,6 +54,61 @@ inline void to_f32_row(const TS* src, long n, float* dst) {
   for (; i < n; ++i) dst[i] = kt::to_f32(src[i]);
 }
 
+// Quantized weights have no float rows to read in place: every product decodes them into float32 tiles.
+template <class TB>
+constexpr bool kQuantized = std::is_same_v<TB, fp8_block> || std::is_same_v<TB, int4_group>;
+// Weight types a product widens into float32 tiles (float32 weights are read in place).
+template <class TB>
+constexpr bool kWidens = !std::is_same_v<TB, float>;
+
+// dst[0, len) = row i of B, columns [col0, col0 + len), as float32.
+template <class TB>
+inline void widen_row(const kt::Rows<TB>& b, long i, long col0, long len, float* dst) {
+  to_f32_row(b.at(i) + col0, len, dst);
+}
+
+// FP8: per 128-column block, codes × 2^-8 (Simd::fp8_scaled) times the block's scale × 2^8. Both factors
+// are exact powers of two apart from the one rounding of code × scale, which torch's float32 dequantization
+// makes too, so the decoded weights equal it bit for bit.
+inline void widen_row(const kt::Rows<fp8_block>& b, long i, long col0, long len, float* dst) {
+  constexpr int BS = fp8_block::BLOCK;
+  const long row = b.row0 + i;
+  const uint8_t* q = b.q + row * b.ld;
+  const float* sc = b.scale + (row / BS) * b.scale_ld;
+  for (long c = col0, end = col0 + len; c < end;) {
+    const long bend = std::min(end, (c / BS + 1) * BS);
+    const float s = sc[c / BS];
+    const V sv = Simd::set1(s * 256.f);
+    for (; c + W <= bend; c += W) Simd::store(dst + (c - col0), Simd::mul(Simd::fp8_scaled(q + c), sv));
+    for (; c < bend; ++c) dst[c - col0] = kt::fp8_e4m3_to_f32(q[c]) * s;
+  }
+}
+
+// INT4: per 32-column group, nibble · s − 8 · s (one FMA; both products and the sum are exact in float32,
+// so this equals (nibble − 8) · s). Vector loads start on whole words (8 nibbles).
+// (S is Simd, a template parameter only so that the scalar set, which has no nibbles(), compiles the scalar loop.)
+template <class S = Simd>
+inline void widen_row_int4(const kt::Rows<int4_group>& b, long i, long col0, long len, float* dst) {
+  constexpr int G = int4_group::GROUP;
+  const long row = b.row0 + i;
+  const uint32_t* words = b.words + row * b.ld;
+  const bf16* sc = b.scale + row * b.scale_ld;
+  for (long c = col0, end = col0 + len; c < end;) {
+    const long gend = std::min(end, (c / G + 1) * G);
+    const float s = kt::bf16_to_f32(sc[c / G]);
+    if constexpr (S::W >= 8) {
+      const V sv = S::set1(s), off = S::set1(-8.f * s);
+      if (c % 8 == 0)
+        for (; c + S::W <= gend; c += S::W) S::store(dst + (c - col0), S::fma(S::nibbles(words + c / 8), sv, off));
+    }
+    for (; c < gend; ++c) dst[c - col0] = std::fma(float(kt::int4_nibble(words, c)), s, -8.f * s);
+  }
+}
+
+inline void widen_row(const kt::Rows<int4_group>& b, long i, long col0, long len, float* dst) {
+  widen_row_int4(b, i, col0, len, dst);
+}
+
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
 template <int MR, int NR, class TBp>
 void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
@@ -76,53 +134,48 @@ void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int n
   }
 }
 
-// One activation row (decode): every FMA is useful with MR = 1, and 8 weight rows in flight keep the
-// memory streams busy (8 accumulators + 8 weight vectors fit the 16 ymm of AVX2).
-template <class TB>
-void gemm_nt_row(const GemmNT<TB>& g) {
-  constexpr int NR = 8;
-  const float* a[1] = {g.a.at(0)};
-  for (int n0 = 0; n0 < g.N; n0 += NR) {
-    const int nr = std::min(NR, g.N - n0);
-    const TB* b[NR];
-    for (int j = 0; j < NR; ++j) b[j] = g.b.at(n0 + std::min(j, nr - 1));
-    nt_tile<1, NR>(a, b, g.K, 1, nr, g.c + n0, g.ldc, g.alpha, g.accumulate, true);
+// Row blocks of MR activation rows against NR weight rows at a time, K in chunks of NT_KC. With `widen`
+// the NR weight rows of a chunk are decoded to float32 once and reused by every row block.
+template <int MR, int NR, class TB>
+void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
+  alignas(64) float wide[kWidens<TB> ? NR * NT_KC : 1];
+  for (int k0 = 0; k0 < g.K; k0 += NT_KC) {
+    const int klen = std::min(NT_KC, g.K - k0);
+    for (int n0 = 0; n0 < g.N; n0 += NR) {
+      const int nr = std::min(NR, g.N - n0);
+      // Rows past the edge repeat the last real row; their results are computed and dropped.
+      const float* bw[NR];
+      const TB* b[NR];
+      for (int j = 0; j < NR; ++j) {
+        const long row = n0 + std::min(j, nr - 1);
+        if (widen) {
+          bw[j] = wide + j * NT_KC;
+          widen_row(g.b, row, k0, klen, wide + j * NT_KC);
+        } else if constexpr (!kQuantized<TB>) {
+          b[j] = g.b.at(row) + k0;
+        }
+      }
+      for (int m0 = 0; m0 < g.M; m0 += MR) {
+        const int mr = std::min(MR, g.M - m0);
+        const float* a[MR];
+        for (int i = 0; i < MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1)) + k0;
+        float* c = g.c + long(m0) * g.ldc + n0;
+        if (widen)
+          nt_tile<MR, NR>(a, bw, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+        else if constexpr (!kQuantized<TB>)
+          nt_tile<MR, NR>(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
+      }
+    }
   }
 }
 
 template <class TB>
 void gemm_nt(const GemmNT<TB>& g) {
-  if (g.M == 1) return gemm_nt_row(g);
-  // Widening pays off once a tile is reused by more than one row block (not in decode).
-  constexpr bool widen_type = sizeof(TB) == 2;
-  const bool widen = widen_type && g.M > NT_MR;
-  alignas(64) float wide[widen_type ? NT_NR * NT_KC : 1];
-  for (int k0 = 0; k0 < g.K; k0 += NT_KC) {
-    const int klen = std::min(NT_KC, g.K - k0);
-    for (int n0 = 0; n0 < g.N; n0 += NT_NR) {
-      const int nr = std::min(NT_NR, g.N - n0);
-      // Rows past the edge repeat the last real row; their results are computed and dropped.
-      const TB* b[NT_NR];
-      const float* bw[NT_NR];
-      for (int j = 0; j < NT_NR; ++j) {
-        b[j] = g.b.at(n0 + std::min(j, nr - 1)) + k0;
-        if (widen) {
-          bw[j] = wide + j * NT_KC;
-          to_f32_row(b[j], klen, wide + j * NT_KC);
-        }
-      }
-      for (int m0 = 0; m0 < g.M; m0 += NT_MR) {
-        const int mr = std::min(NT_MR, g.M - m0);
-        const float* a[NT_MR];
-        for (int i = 0; i < NT_MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1)) + k0;
-        float* c = g.c + long(m0) * g.ldc + n0;
-        if (widen)
-          nt_tile<NT_MR, NT_NR>(a, bw, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
-        else
-          nt_tile<NT_MR, NT_NR>(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0);
-      }
-    }
-  }
+  // One activation row (decode): every FMA is useful with MR = 1, and 8 weight rows in flight keep the memory
+  // streams busy (8 accumulators + 8 weight vectors fit the 16 ymm of AVX2). BF16 rows are read in place there;
+  // widening pays off once a tile is reused by more than one row block.
+  if (g.M == 1) return gemm_nt_tiles<1, 8>(g, kQuantized<TB>);
+  gemm_nt_tiles<NT_MR, NT_NR>(g, kQuantized<TB> || (kWidens<TB> && g.M > NT_MR));
 }
 
 template <bool Trans, class TB>
@@ -134,10 +187,10 @@ inline float a_elem(const GemmNN<TB>& g, long m, long k) {
   return g.a.at(m)[g.a_off + k];
 }
 
-// MR rows × NV vectors of columns starting at n0, reduced over k in [k0, k1). B row k is
-// panel + (k − k0)·NV·W when widened, else read in place.
+// MR rows × NV vectors of columns starting at n0, reduced over k in [k0, k1); the first `ncols` columns are
+// stored. B row k is panel + (k − k0)·NV·W when widened, else read in place.
 template <bool Trans, int NV, class TB>
-void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const float* panel) {
+void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const float* panel, int ncols = NV * W) {
   V acc[NN_MR][NV];
   for (int i = 0; i < NN_MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = Simd::zero();
@@ -149,7 +202,7 @@ void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const 
     if (panel) {
       const float* br = panel + long(k - k0) * NV * W;
       for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
-    } else {
+    } else if constexpr (!kQuantized<TB>) {
       const TB* br = g.b.at(k) + g.b_off + n0;
       for (int v = 0; v < NV; ++v) bv[v] = Simd::load(br + v * W);
     }
@@ -166,7 +219,8 @@ void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const 
     float* c = g.c + long(m0 + i) * g.ldc + n0;
     for (int v = 0; v < NV; ++v) {
       Simd::store(lane, acc[i][v]);
-      for (int l = 0; l < W; ++l) store_chunk(c + v * W + l, g.alpha, lane[l], g.accumulate, k0 == 0);
+      for (int l = 0; l < W && v * W + l < ncols; ++l)
+        store_chunk(c + v * W + l, g.alpha, lane[l], g.accumulate, k0 == 0);
     }
   }
 }
@@ -181,25 +235,47 @@ void nn_column(const GemmNN<TB>& g, int n) {
   }
 }
 
+// Quantized B: every panel decoded, the last one partial (its missing columns zeros, computed and dropped).
 template <bool Trans, class TB>
-void gemm_nn_impl(const GemmNN<TB>& g) {
+void gemm_nn_decoded(const GemmNN<TB>& g) {
   constexpr int NB = NN_NV * W, KC = NN_PANEL / NB;
-  constexpr bool widen_type = sizeof(TB) == 2;
-  const bool widen = widen_type && g.M > NN_MR;
-  alignas(64) float panel[widen_type ? NN_PANEL : 1];
-  const int nfull = g.N - g.N % NB, nvec = g.N - g.N % W;
-  for (int n0 = 0; n0 < nfull; n0 += NB) {
+  alignas(64) float panel[NN_PANEL];
+  for (int n0 = 0; n0 < g.N; n0 += NB) {
+    const int nb = std::min(NB, g.N - n0);
     for (int k0 = 0; k0 < g.K; k0 += KC) {
       const int k1 = std::min(g.K, k0 + KC);
-      if (widen)
-        for (int k = k0; k < k1; ++k) to_f32_row(g.b.at(k) + g.b_off + n0, NB, panel + long(k - k0) * NB);
-      for (int m0 = 0; m0 < g.M; m0 += NN_MR)
-        nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0, k0, k1, widen ? panel : nullptr);
+      for (int k = k0; k < k1; ++k) {
+        float* row = panel + long(k - k0) * NB;
+        widen_row(g.b, k, g.b_off + n0, nb, row);
+        std::fill(row + nb, row + NB, 0.f);
+      }
+      for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0, k0, k1, panel, nb);
     }
   }
-  for (int n0 = nfull; n0 < nvec; n0 += W)
-    for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, 1>(g, m0, std::min(NN_MR, g.M - m0), n0, 0, g.K, nullptr);
-  for (int n = nvec; n < g.N; ++n) nn_column<Trans>(g, n);
+}
+
+template <bool Trans, class TB>
+void gemm_nn_impl(const GemmNN<TB>& g) {
+  if constexpr (kQuantized<TB>) {
+    gemm_nn_decoded<Trans>(g);
+  } else {
+    constexpr int NB = NN_NV * W, KC = NN_PANEL / NB;
+    const bool widen = kWidens<TB> && g.M > NN_MR;
+    alignas(64) float panel[kWidens<TB> ? NN_PANEL : 1];
+    const int nfull = g.N - g.N % NB, nvec = g.N - g.N % W;
+    for (int n0 = 0; n0 < nfull; n0 += NB) {
+      for (int k0 = 0; k0 < g.K; k0 += KC) {
+        const int k1 = std::min(g.K, k0 + KC);
+        if (widen)
+          for (int k = k0; k < k1; ++k) widen_row(g.b, k, g.b_off + n0, NB, panel + long(k - k0) * NB);
+        for (int m0 = 0; m0 < g.M; m0 += NN_MR)
+          nn_tile<Trans, NN_NV>(g, m0, std::min(NN_MR, g.M - m0), n0, k0, k1, widen ? panel : nullptr);
+      }
+    }
+    for (int n0 = nfull; n0 < nvec; n0 += W)
+      for (int m0 = 0; m0 < g.M; m0 += NN_MR) nn_tile<Trans, 1>(g, m0, std::min(NN_MR, g.M - m0), n0, 0, g.K, nullptr);
+    for (int n = nvec; n < g.N; ++n) nn_column<Trans>(g, n);
+  }
 }
 
 template <class TB>
@@ -269,9 +345,23 @@ float dot(long n, const float* a, const float* b) {
 }
 
 kt::KernelSet make_kernel_set(const char* name) {
-  return kt::KernelSet{name,         gemm_nt<bf16>,     gemm_nt<bf16>,  gemm_nt<float>, gemm_nn<bf16>, gemm_nn<float>,
-                       silu_mul,     silu_mul_backward, bf16_to_f32,    f32_to_bf16,   scale,
-                       axpy,         dot};
+  return kt::KernelSet{name,
+                       gemm_nt<bf16>,
+                       gemm_nt<bf16>,
+                       gemm_nt<float>,
+                       gemm_nn<bf16>,
+                       gemm_nn<float>,
+                       gemm_nt<fp8_block>,
+                       gemm_nn<fp8_block>,
+                       gemm_nt<int4_group>,
+                       gemm_nn<int4_group>,
+                       silu_mul,
+                       silu_mul_backward,
+                       bf16_to_f32,
+                       f32_to_bf16,
+                       scale,
+                       axpy,
+                       dot};
 }
 
 }  // namespace

@@ -1,12 +1,15 @@
 // The kernel set of one ISA: a table of plain functions, filled by each ISA's file and picked at
 // run time by dispatch.cpp. Everything here is float32 arithmetic on float32 activations; weights
-// may be BF16 (the packed expert layout) or float32 (LoRA matrices and activations).
+// may be BF16 (the packed expert layout), FP8 block-128 or INT4 group-32 (quantized experts, decoded
+// tile by tile inside the kernels) or float32 (LoRA matrices and activations).
 //
 // Legend (STYLE.md 2): M rows of the output, N columns of the output, K the reduced dimension.
 #pragma once
 #include <cstdint>
 
 #include "../formats/bf16.h"
+#include "../formats/fp8_block.h"
+#include "../formats/int4_group.h"
 
 namespace kt {
 
@@ -17,6 +20,26 @@ struct Rows {
   const T* base = nullptr;
   long ld = 0;
   const T* at(long i) const { return ptrs ? ptrs[i] : base + i * ld; }
+};
+
+// Rows of a quantized weight matrix [out, in]: kernel row i is matrix row row0 + i. There is no pointer
+// to a row of floats; the kernels decode row segments into float32 tiles (widen_row in kernel_body.h).
+template <>
+struct Rows<fp8_block> {
+  const uint8_t* q = nullptr;    // row 0 of the matrix, `ld` bytes per row
+  long ld = 0;
+  const float* scale = nullptr;  // [ceil(out/128), scale_ld = ceil(in/128)]
+  long scale_ld = 0;
+  long row0 = 0;
+};
+
+template <>
+struct Rows<int4_group> {
+  const uint32_t* words = nullptr;  // row 0 of the matrix, `ld` words per row
+  long ld = 0;
+  const bf16* scale = nullptr;      // [out, scale_ld = ceil(in/32)]
+  long scale_ld = 0;
+  long row0 = 0;
 };
 
 // C[m, n] = alpha * sum_k A[m, k] * B[n, k] (+ C if accumulate).
@@ -60,6 +83,10 @@ struct KernelSet {
   void (*gemm_nt_f32)(const GemmNT<float>&);
   void (*gemm_nn_bf16)(const GemmNN<bf16>&);
   void (*gemm_nn_f32)(const GemmNN<float>&);
+  void (*gemm_nt_fp8)(const GemmNT<fp8_block>&);
+  void (*gemm_nn_fp8)(const GemmNN<fp8_block>&);
+  void (*gemm_nt_int4)(const GemmNT<int4_group>&);
+  void (*gemm_nn_int4)(const GemmNN<int4_group>&);
   // h = silu(g) * u
   void (*silu_mul)(long n, const float* g, const float* u, float* h);
   // Given dh: dg = dh * u * silu'(g), du = dh * silu(g). Overwrites dg, du.

@@ -1,6 +1,7 @@
 #include "experts.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -109,6 +110,25 @@ void transpose_b(const Lora& lora, int p, long e, long out, float* bt) {
   transpose(lora.B[p].as<float>() + e * out * lora.r, out, lora.r, bt + e * lora.r * out);
 }
 
+// The kernel of the set for a weight format. BF16 activations may take the BF16-activation product of
+// BF16 weights; float32 activations stay exact.
+void run_nt(const KernelSet& ks, const GemmNT<bf16>& g, bool bf16_act) { (bf16_act ? ks.gemm_nt_bf16_act : ks.gemm_nt_bf16)(g); }
+void run_nt(const KernelSet& ks, const GemmNT<fp8_block>& g, bool) { ks.gemm_nt_fp8(g); }
+void run_nt(const KernelSet& ks, const GemmNT<int4_group>& g, bool) { ks.gemm_nt_int4(g); }
+void run_nn(const KernelSet& ks, const GemmNN<bf16>& g) { ks.gemm_nn_bf16(g); }
+void run_nn(const KernelSet& ks, const GemmNN<fp8_block>& g) { ks.gemm_nn_fp8(g); }
+void run_nn(const KernelSet& ks, const GemmNN<int4_group>& g) { ks.gemm_nn_int4(g); }
+
+// Products against expert weights (alpha 1, no A transpose), typed by the weight rows they read.
+template <class T>
+GemmNT<T> weight_nt(int M, int N, int K, Rows<float> a, Rows<T> b, float* c, long ldc) {
+  return GemmNT<T>{M, N, K, a, b, c, ldc, 1.f, false};
+}
+template <class T>
+GemmNN<T> weight_nn(int M, int N, int K, Rows<float> a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
+  return GemmNN<T>{M, N, K, a, 0, false, nullptr, b, b_off, c, ldc, 1.f, accumulate};
+}
+
 float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
   p.reset(new float[n]);
   sv.bytes += n * sizeof(float);
@@ -117,10 +137,105 @@ float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
 
 }  // namespace
 
-MoeExperts::MoeExperts(int E, int H, int I, View gate_up, View down) : E_(E), H_(H), I_(I), gate_up_(gate_up), down_(down) {
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::bf16: return "bf16";
+    case Format::fp8_block128: return "fp8_block128";
+    case Format::int4_group32: return "int4_group32";
+  }
+  return "?";
+}
+
+MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w) : E_(E), H_(H), I_(I), w_(w) {
   if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("experts need E, H and I of at least 1.");
-  expect(gate_up_, "gate_up_proj", DType::bf16, {E, 2L * I, H});
-  expect(down_, "down_proj", DType::bf16, {E, H, I});
+  if (w.gate_up.empty() || w.down.empty()) throw std::invalid_argument("experts need gate_up_proj and down_proj.");
+  const long bs = fp8_block::BLOCK, gs = int4_group::GROUP;
+  switch (w.gate_up.dtype) {
+    case DType::bf16: format_ = Format::bf16; break;
+    case DType::fp8_e4m3: format_ = Format::fp8_block128; break;
+    case DType::i32: format_ = Format::int4_group32; break;
+    default:
+      throw std::invalid_argument(std::string("gate_up_proj is ") + dtype_name(w.gate_up.dtype) +
+                                  "; expert weights must be bfloat16, float8_e4m3fn (FP8 block-128) or int32 "
+                                  "(packed INT4 group-32).");
+  }
+  if (format_ == Format::bf16) {
+    expect(w.gate_up, "gate_up_proj", DType::bf16, {E, 2L * I, H});
+    expect(w.down, "down_proj", DType::bf16, {E, H, I});
+    if (!w.gate_up_scale.empty() || !w.down_scale.empty())
+      throw std::invalid_argument("BF16 expert weights take no scales; pass scales only with FP8 or INT4 weights.");
+  } else if (format_ == Format::fp8_block128) {
+    expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, 2L * I, H});
+    expect(w.down, "down_proj", DType::fp8_e4m3, {E, H, I});
+    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32, {E, 2, ceil_div(I, bs), ceil_div(H, bs)});
+    expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, bs), ceil_div(I, bs)});
+  } else {
+    expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, 2L * I, ceil_div(H, 8)});
+    expect(w.down, "down_proj (packed INT4)", DType::i32, {E, H, ceil_div(I, 8)});
+    expect(w.gate_up_scale, "gate_up scale (weight_scale)", DType::bf16, {E, 2L * I, ceil_div(H, gs)});
+    expect(w.down_scale, "down scale (weight_scale)", DType::bf16, {E, H, ceil_div(I, gs)});
+  }
+  if (format_ != Format::bf16) check_quantized();
+}
+
+// A NaN or infinite scale, or an FP8 NaN code, would turn whole blocks of outputs and gradients into NaN
+// one step later; refusing them here names the expert instead.
+void MoeExperts::check_quantized() const {
+  Runtime& rt = Runtime::get();
+  std::vector<int> bad(E_, -1);  // per expert: -1 fine, 0 bad gate_up scale, 1 bad down scale, 2 NaN code
+  const long n_scale[2] = {w_.gate_up_scale.numel() / E_, w_.down_scale.numel() / E_};
+  const long n_code[2] = {w_.gate_up.numel() / E_, w_.down.numel() / E_};
+  rt.parallel_for(E_, [&](long e, int) {
+    const View* scales[2] = {&w_.gate_up_scale, &w_.down_scale};
+    for (int m = 0; m < 2 && bad[e] < 0; ++m)
+      for (long i = 0; i < n_scale[m]; ++i) {
+        const long at = e * n_scale[m] + i;
+        const float v = format_ == Format::fp8_block128 ? scales[m]->as<float>()[at] : bf16_to_f32(scales[m]->as<bf16>()[at]);
+        if (!std::isfinite(v)) {
+          bad[e] = m;
+          break;
+        }
+      }
+    if (format_ != Format::fp8_block128 || bad[e] >= 0) return;
+    const View* codes[2] = {&w_.gate_up, &w_.down};
+    for (int m = 0; m < 2; ++m) {
+      const uint8_t* q = codes[m]->as<uint8_t>() + e * n_code[m];
+      uint8_t nan = 0;
+      for (long i = 0; i < n_code[m]; ++i) nan |= uint8_t(fp8_e4m3_is_nan(q[i]));
+      if (nan) bad[e] = 2;
+    }
+  });
+  const char* what[3] = {"gate/up scales hold NaN or Inf", "down scales hold NaN or Inf",
+                         "FP8 weights hold NaN codes (0x7f/0xff)"};
+  for (int e = 0; e < E_; ++e)
+    if (bad[e] >= 0)
+      throw std::invalid_argument(std::string("expert ") + std::to_string(e) + "'s " + what[bad[e]] +
+                                  "; the checkpoint is corrupt or was quantized wrongly: re-download or re-quantize it.");
+}
+
+template <class F>
+void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
+  const long I = I_, H = H_;
+  const long out = p == DOWN ? H : I, in = p == DOWN ? I : H;
+  const long first = p == DOWN ? long(e) * H : (long(e) * 2 + p) * I;  // projection's row 0 in its stack
+  const View& data = p == DOWN ? w_.down : w_.gate_up;
+  const View& scale = p == DOWN ? w_.down_scale : w_.gate_up_scale;
+  switch (format_) {
+    case Format::bf16:
+      f(Rows<bf16>{nullptr, data.as<bf16>() + (first + row0) * in, in});
+      break;
+    case Format::fp8_block128: {
+      const long bs = fp8_block::BLOCK, nbi = ceil_div(in, bs);
+      const long grid = (p == DOWN ? long(e) : long(e) * 2 + p) * ceil_div(out, bs) * nbi;
+      f(Rows<fp8_block>{data.as<uint8_t>() + first * in, in, scale.as<float>() + grid, nbi, row0});
+      break;
+    }
+    case Format::int4_group32: {
+      const long words = ceil_div(in, 8), groups = ceil_div(in, int4_group::GROUP);
+      f(Rows<int4_group>{data.as<uint32_t>() + first * words, words, scale.as<bf16>() + first * groups, groups, row0});
+      break;
+    }
+  }
 }
 
 void MoeExperts::check_lora(const Lora& lora) const {
@@ -202,8 +317,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   for (int e = 0; e < E_; ++e)
     if (rows_of(*sv, e))
       for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
-  // BF16 activations may take the kernel set's BF16-activation product; float32 ones stay exact.
-  const auto gemm_w = x.dtype == DType::bf16 ? ks.gemm_nt_bf16_act : ks.gemm_nt_bf16;
+  const bool bf16_act = x.dtype == DType::bf16;
   rt.parallel_for(long(items.size()), [&](long it, int) {
     const int e = items[it].e, n = rows_of(*sv, e);
     const long i0 = long(items[it].block) * BLOCK;
@@ -211,8 +325,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      gemm_w({n, ib, int(H), gathered(xrows, *sv, e),
-                       {nullptr, gate_up_.as<bf16>() + (long(e) * 2 * I + p * I + i0) * H, H}, c, I, 1.f, false});
+      with_rows(e, p, i0, [&](const auto& rows) {
+        run_nt(ks, weight_nt(n, ib, int(H), gathered(xrows, *sv, e), rows, c, I), bf16_act);
+      });
       if (Z[p])
         ks.gemm_nn_f32({n, ib, r, slot_rows(Z[p], *sv, e, r), 0, false, nullptr, {nullptr, bt[p] + e * r * I, I}, i0, c,
                         I, s, true});
@@ -240,8 +355,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     const long h0 = long(items[it].block) * BLOCK;
     const int hb = int(std::min<long>(BLOCK, H - h0));
     float* c = Y + sv->offset[e] * H + h0;
-    gemm_w({n, hb, int(I), slot_rows(Hh, *sv, e, I), {nullptr, down_.as<bf16>() + (long(e) * H + h0) * I, I}, c, H,
-                     1.f, false});
+    with_rows(e, DOWN, h0, [&](const auto& rows) {
+      run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, H), bf16_act);
+    });
     if (Z[DOWN])
       ks.gemm_nn_f32({n, hb, r, slot_rows(Z[DOWN], *sv, e, r), 0, false, nullptr, {nullptr, bt[DOWN] + e * r * H, H}, h0,
                       c, H, s, true});
@@ -274,6 +390,9 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     if (!gr.dA[p].empty()) expect(gr.dA[p], "grad of lora_A", DType::f32, {E_, r, in[p]});
     if (!gr.dB[p].empty()) expect(gr.dB[p], "grad of lora_B", DType::f32, {E_, outd[p], r});
   }
+  if (format_ != Format::bf16 && (!gr.d_gate_up.empty() || !gr.d_down.empty()))
+    throw std::invalid_argument(std::string("full-parameter training of ") + format_name(format_) +
+                                " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
   // LoRA grads of experts that got no token are zeros (the others are overwritten below).
@@ -328,8 +447,9 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const long i0 = long(items[it].block) * BLOCK;
     const int ib = int(std::min<long>(BLOCK, I - i0));
     float* c = P + sv.offset[e] * I + i0;
-    ks.gemm_nn_bf16({n, ib, int(H), gathered(drows, sv, e), 0, false, nullptr,
-                     {nullptr, down_.as<bf16>() + long(e) * H * I, I}, i0, c, I, 1.f, false});
+    with_rows(e, DOWN, 0, [&](const auto& rows) {
+      run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
+    });
     if (lora_on[DOWN])
       ks.gemm_nn_f32({n, ib, r, slot_rows(wz[DOWN], sv, e, r), 0, false, nullptr,
                       {nullptr, lora.A[DOWN].as<float>() + long(e) * r * I, I}, i0, c, I, s, true});
@@ -371,8 +491,9 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     float* c = dXs + sv.offset[e] * H + h0;
     float* dgu[2] = {dG, dU};
     for (int p = GATE; p <= UP; ++p) {
-      ks.gemm_nn_bf16({n, hb, int(I), slot_rows(dgu[p], sv, e, I), 0, false, nullptr,
-                       {nullptr, gate_up_.as<bf16>() + (long(e) * 2 * I + p * I) * H, H}, h0, c, H, 1.f, p == UP});
+      with_rows(e, p, 0, [&](const auto& rows) {
+        run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
+      });
       if (lora_on[p])
         ks.gemm_nn_f32({n, hb, r, slot_rows(wz[p], sv, e, r), 0, false, nullptr,
                         {nullptr, lora.A[p].as<float>() + long(e) * r * H, H}, h0, c, H, s, true});

@@ -4,8 +4,9 @@
 // ("slots"), sorted by expert so each expert's rows are contiguous.
 //
 // Weights are held once, in the transformers 5.x fused layout, which is also the kernel layout:
-// gate_up [E, 2I, H] (gate rows first) and down [E, H, I], BF16, row-major. Forward reads them as
-// x·Wᵀ (dot form); backward reads the very same rows as dy·W (axpy form): no transposed copy.
+// gate_up [E, 2I, H] (gate rows first) and down [E, H, I], row-major, in one of three formats (below).
+// Forward reads them as x·Wᵀ (dot form); backward reads the very same rows as dy·W (axpy form): no
+// transposed copy. Quantized weights stay quantized; the kernels decode tiles as they go.
 //
 // Per expert e, with s the LoRA scale:
 //   g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
@@ -20,6 +21,20 @@
 namespace kt {
 
 enum Proj { GATE = 0, UP = 1, DOWN = 2 };
+
+enum class Format { bf16, fp8_block128, int4_group32 };
+const char* format_name(Format f);
+
+// The expert weights as the caller holds them (the engine keeps views, never copies). The format follows
+// from gate_up's dtype:
+//   bfloat16       gate_up [E, 2I, H], down [E, H, I]; no scales
+//   float8_e4m3fn  same shapes; scales float32 [E, 2, ceil(I/128), ceil(H/128)] (gate's blocks, then up's)
+//                  and [E, ceil(H/128), ceil(I/128)]
+//   int32 (INT4)   gate_up [E, 2I, ceil(H/8)], down [E, H, ceil(I/8)] packed words; scales bfloat16
+//                  [E, 2I, ceil(H/32)] and [E, H, ceil(I/32)]
+struct ExpertWeights {
+  View gate_up, down, gate_up_scale, down_scale;
+};
 
 struct Lora {
   int r = 0;
@@ -49,8 +64,10 @@ struct Saved {
 
 class MoeExperts {
  public:
-  MoeExperts(int E, int H, int I, View gate_up, View down);
+  // Checks shapes and dtypes; quantized weights must have finite scales and (FP8) no NaN codes.
+  MoeExperts(int E, int H, int I, const ExpertWeights& weights);
   int E() const { return E_; }
+  Format format() const { return format_; }
   int H() const { return H_; }
   int I() const { return I_; }
 
@@ -66,8 +83,14 @@ class MoeExperts {
 
  private:
   void check_lora(const Lora& lora) const;
+  void check_quantized() const;
+  // Calls f(rows) with expert e's projection p as kernel rows (Rows<bf16|fp8_block|int4_group>), kernel
+  // row 0 being the projection's row `row0`.
+  template <class F>
+  void with_rows(int e, int p, long row0, F&& f) const;
   int E_, H_, I_;
-  View gate_up_, down_;
+  Format format_;
+  ExpertWeights w_;
 };
 
 }  // namespace kt

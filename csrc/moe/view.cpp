@@ -7,6 +7,8 @@ const char* dtype_name(DType d) {
     case DType::f32: return "float32";
     case DType::bf16: return "bfloat16";
     case DType::i64: return "int64";
+    case DType::i32: return "int32";
+    case DType::fp8_e4m3: return "float8_e4m3fn";
   }
   return "?";
 }
@@ -32,8 +34,8 @@ void expect(const View& v, const char* what, DType dtype, const std::vector<int6
 
 void expect_float(const View& v, const char* what, const std::vector<int64_t>& shape) {
   expect_shape(v, what, shape);
-  if (v.dtype == DType::i64)
-    throw std::invalid_argument(std::string(what) + " is int64 but must be float32 or bfloat16.");
+  if (v.dtype != DType::f32 && v.dtype != DType::bf16)
+    throw std::invalid_argument(std::string(what) + " is " + dtype_name(v.dtype) + " but must be float32 or bfloat16.");
 }
 
 }  // namespace kt

@@ -8,7 +8,7 @@
 
 namespace kt {
 
-enum class DType { f32, bf16, i64 };
+enum class DType { f32, bf16, i64, i32, fp8_e4m3 };
 
 struct View {
   void* data = nullptr;  // may be null for a tensor with no elements

@@ -37,6 +37,11 @@ def _single_device(device_map):
 
 class KTSFTForCausalLM:
     @classmethod
+    def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
+        """transformers ≥ 5.x (checked: 5.17) calls this on remote-code classes it loads. Nothing to register: the
+        model returned is the stock class of the checkpoint's model_type, not this loader."""
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
         settings = getattr(config, SETTINGS_KEY, None)
         if not settings or "source" not in settings:
