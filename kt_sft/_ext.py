@@ -18,7 +18,8 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
         f"kt_sft's C++ engine is not built ({e}); install the package with `pip install -e .` from its checkout."
     ) from e
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64"}
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int64: "int64", torch.int32: "int32",
+           torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
 def view(t: torch.Tensor | None, name: str = "tensor"):
@@ -31,7 +32,8 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; call .contiguous() on it first.")
     if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} is {t.dtype}; the expert engine takes float32, bfloat16 or int64 tensors.")
+        raise ValueError(f"{name} is {t.dtype}; the expert engine takes float32, bfloat16, int64, "
+                         "int32 (packed INT4) or float8_e4m3fn tensors.")
     return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t)
 
 

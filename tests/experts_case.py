@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 import kt_sft
+from kt_sft.formats import QuantizedExperts
 from kt_sft.ops.reference import LoraWeights, moe_experts_reference
 
 
@@ -31,12 +32,17 @@ def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
                                                                                                         dtype=torch.int64)
 
 
-def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0) -> kt_sft.KTExperts:
+def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0,
+                expert_format: str = "bf16") -> kt_sft.KTExperts:
+    """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values."""
     gen = torch.Generator().manual_seed(seed)
     E, H, I = shape.E, shape.H, shape.I
     gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
-    m = kt_sft.KTExperts(gu, dn, train_base=train_base)
+    if expert_format == "bf16":
+        m = kt_sft.KTExperts(gu, dn, train_base=train_base)
+    else:
+        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), train_base=train_base)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # non-zero B so every LoRA path contributes
@@ -82,8 +88,8 @@ def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
     """The same quantities from autograd through the float64 reference."""
     xd = x.double().requires_grad_()
     wd = w.double().requires_grad_()
-    gu = m.gate_up_proj.detach().double().requires_grad_()
-    dn = m.down_proj.detach().double().requires_grad_()
+    gu, dn = m.base_weights()
+    gu, dn = gu.detach().double().requires_grad_(), dn.detach().double().requires_grad_()
     A0, B0 = lora_of(m)
     A = {p: t.detach().double().requires_grad_() for p, t in A0.items()}
     B = {p: t.detach().double().requires_grad_() for p, t in B0.items()}

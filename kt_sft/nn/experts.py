@@ -1,9 +1,13 @@
 """KTExperts: drop-in for a transformers 5.x experts module, with the routed experts on the CPU engine.
 
 Call: forward(hidden_states [T,H], top_k_index [T,K] int64, top_k_weights [T,K]) -> [T,H] on the input's
-device and dtype. The expert weights are BF16 CPU tensors in the fused layout (gate_up_proj [E,2I,H],
+device and dtype. The expert weights are CPU tensors in the fused layout (gate_up_proj [E,2I,H],
 down_proj [E,H,I]) held once: the engine reads them in place, `.to(device)` / `.cuda()` leave them (and the
 expert LoRA) on the CPU, and in full mode the optimizer updates them in place.
+
+Formats: BF16 weights are parameters (trainable in full mode). FP8 block-128 and INT4 group-32 weights
+(kt_sft.formats; `KTExperts.quantized`) are buffers that stay in their own precision; LoRA trains on top of
+them, and full-parameter training of them is refused.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from .._ext import _C, view
+from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_engine
 from ..ops.reference import PROJECTIONS, lora_scale
 
@@ -34,20 +39,16 @@ class ExpertWeight(nn.Parameter):
 
 
 class KTExperts(nn.Module):
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, train_base: bool = False,
-                 check_finite: bool = False):
+    def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
+                 train_base: bool = False, check_finite: bool = False):
+        """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None)."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
-        if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
-            raise ValueError("KTExperts takes gate_up_proj [E, 2I, H] and down_proj [E, H, I] (3-D tensors).")
-        E, two_i, H = gate_up_proj.shape
-        if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
-            raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
-                             "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
-        self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
-        self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
-        self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
-        self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
+        if isinstance(gate_up_proj, QuantizedExperts):
+            self._init_quantized(gate_up_proj, train_base)
+        else:
+            self._init_bf16(gate_up_proj, down_proj, train_base)
         self._engine_weights = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
         self.check_finite = check_finite
         # LoRA, keyed by adapter name then projection (PEFT's layout: saved as `lora_A.<adapter>.<proj>`).
         self.lora_A = nn.ModuleDict()
@@ -57,6 +58,42 @@ class KTExperts(nn.Module):
         self.scaling: dict[str, float] = {}
         self.use_rslora: dict[str, bool] = {}
         self._active_adapter = "default"
+
+    def _init_bf16(self, gate_up_proj, down_proj, train_base):
+        if down_proj is None or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+            raise ValueError("KTExperts takes gate_up_proj [E, 2I, H] and down_proj [E, H, I] (3-D tensors).")
+        E, two_i, H = gate_up_proj.shape
+        if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
+            raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
+                             "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
+        self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
+        self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
+        self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
+
+    def _init_quantized(self, q: QuantizedExperts, train_base):
+        if train_base:
+            raise ValueError(f"full-parameter training of {q.format.upper()} expert weights is not supported; load the "
+                             "experts in BF16 (a BF16 checkpoint, prepared without --expert-format) to train them, "
+                             "or train LoRA on the quantized experts.")
+        self.num_experts, self.hidden_size, self.intermediate_size = q.shape
+        # Buffers, not parameters: nothing trains them, and they stay out of state_dict (multi-GB, and an adapter
+        # or optimizer checkpoint has no use for them).
+        for name in ("gate_up", "down", "gate_up_scale", "down_scale"):
+            t = getattr(q, name)
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"quantized expert tensor {name} must be a contiguous CPU tensor.")
+            self.register_buffer(name + "_proj" if name in ("gate_up", "down") else name, t, persistent=False)
+        self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
+                                view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
+
+    def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 parameters, or the
+        quantized weights dequantized (exactly) to float32."""
+        if self.expert_format == "bf16":
+            return self.gate_up_proj, self.down_proj
+        return QuantizedExperts(self.expert_format, self.gate_up_proj, self.down_proj, self.gate_up_scale,
+                                self.down_scale).dequantize()
 
     @classmethod
     def from_per_expert(cls, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
@@ -118,8 +155,7 @@ class KTExperts(nn.Module):
         return param.grad
 
     def _check(self, hidden_states, top_k_index, top_k_weights):
-        if (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr()) != self._engine_weights or \
-                self.gate_up_proj.dtype != torch.bfloat16 or self.down_proj.dtype != torch.bfloat16:
+        if (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr()) != self._engine_weights:
             raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
                                "them in place, so update them in place (param.data.copy_(...) or an optimizer step) "
                                "instead of assigning new tensors.")
@@ -159,15 +195,19 @@ class KTExperts(nn.Module):
                                      self.down_proj, *lora)
 
     def _apply(self, fn, recurse=True):
-        # Expert weights and their LoRA live in CPU RAM for good: device and dtype moves skip them.
-        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj")}
+        # Expert weights (parameters or quantized buffers) and their LoRA live in CPU RAM for good: device and dtype
+        # moves skip them.
+        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj") if n in self._parameters}
+        kept_buffers, self._buffers = self._buffers, {}
         kept_a, kept_b = self._modules.pop("lora_A"), self._modules.pop("lora_B")
         try:
             return super()._apply(fn, recurse)
         finally:
             self._parameters.update(kept)
+            self._buffers = kept_buffers
             self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
 
     def extra_repr(self) -> str:
         lora = f", lora_r={self.r}" if self.r else ""
-        return f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}{lora}"
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"format={self.expert_format}{lora}")

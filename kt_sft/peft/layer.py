@@ -19,7 +19,7 @@ class KTExpertsLinear(KTExperts, LoraLayer):
     adapter_layer_names = ("lora_A", "lora_B")
     other_param_names = ("r", "lora_alpha", "scaling", "use_rslora")
 
-    def __init__(self, gate_up_proj, down_proj, **kwargs):
+    def __init__(self, gate_up_proj, down_proj=None, **kwargs):
         KTExperts.__init__(self, gate_up_proj, down_proj, **kwargs)
         # The BaseTunerLayer state PEFT reads; LoraLayer.__init__ is skipped because there is no base layer.
         self._disable_adapters = False

@@ -1,0 +1,80 @@
+"""Expert weight formats: BF16, FP8 block-128 and INT4 group-32 (DESIGN.md §5), in the engine's fused layout.
+
+`QuantizedExperts` holds one layer's experts as the engine reads them (csrc/moe/experts.h):
+  fp8   gate_up float8_e4m3fn [E, 2I, H], scales float32 [E, 2, ceil(I/128), ceil(H/128)] (gate's blocks, then
+        up's: the checkpoint quantizes gate and up separately, so their block grids stay separate);
+        down [E, H, I], scales [E, ceil(H/128), ceil(I/128)]
+  int4  gate_up int32 [E, 2I, ceil(H/8)], scales bfloat16 [E, 2I, ceil(H/32)]; down [E, H, ceil(I/8)],
+        scales [E, H, ceil(I/32)]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import fp8_block, int4_group
+
+# User-facing names (`kt-sft prepare --expert-format`) and the engine's names for them.
+EXPERT_FORMATS = {"bf16": "bf16", "fp8": "fp8_block128", "int4": "int4_group32"}
+
+
+@dataclass
+class QuantizedExperts:
+    format: str  # "fp8" or "int4"
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down_scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, H, I)."""
+        return self.gate_up.shape[0], self.down.shape[1], self.gate_up.shape[1] // 2
+
+    @classmethod
+    def empty(cls, fmt: str, E: int, H: int, I: int) -> "QuantizedExperts":
+        """Uninitialized buffers of the format's layout, for loaders to fill."""
+        if fmt == "fp8":
+            nb = fp8_block._blocks
+            return cls(fmt, torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn),
+                       torch.empty(E, H, I, dtype=torch.float8_e4m3fn),
+                       torch.empty(E, 2, nb(I), nb(H), dtype=torch.float32),
+                       torch.empty(E, nb(H), nb(I), dtype=torch.float32))
+        if fmt == "int4":
+            w, g = (lambda n: -(-n // 8)), (lambda n: -(-n // int4_group.GROUP))
+            return cls(fmt, torch.empty(E, 2 * I, w(H), dtype=torch.int32), torch.empty(E, H, w(I), dtype=torch.int32),
+                       torch.empty(E, 2 * I, g(H), dtype=torch.bfloat16), torch.empty(E, H, g(I), dtype=torch.bfloat16))
+        raise ValueError(f"unknown expert format {fmt!r}; choose from {sorted(EXPERT_FORMATS)}.")
+
+    def set_expert(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Quantizes one expert's BF16/float weights (gate, up [I, H]; down [H, I]) into slot e."""
+        E, H, I = self.shape
+        mod = fp8_block if self.format == "fp8" else int4_group
+        for rows, scale_rows, w in ((slice(0, I), 0, gate), (slice(I, 2 * I), 1, up)):
+            q, s = mod.quantize(w)
+            self.gate_up[e, rows] = q
+            if self.format == "fp8":
+                self.gate_up_scale[e, scale_rows] = s
+            else:
+                self.gate_up_scale[e, rows] = s
+        self.down[e], self.down_scale[e] = mod.quantize(down)
+
+    @classmethod
+    def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor) -> "QuantizedExperts":
+        """From BF16/float experts in the fused layout."""
+        E, two_i, H = gate_up.shape
+        out = cls.empty(fmt, E, H, two_i // 2)
+        for e in range(E):
+            out.set_expert(e, gate_up[e, : two_i // 2], gate_up[e, two_i // 2:], down[e])
+        return out
+
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) in float32: the exact values the engine computes with."""
+        E, H, I = self.shape
+        if self.format == "fp8":
+            gate = fp8_block.dequantize(self.gate_up[:, :I], self.gate_up_scale[:, 0])
+            up = fp8_block.dequantize(self.gate_up[:, I:], self.gate_up_scale[:, 1])
+            return torch.cat([gate, up], 1), fp8_block.dequantize(self.down, self.down_scale)
+        return (int4_group.dequantize(self.gate_up, self.gate_up_scale, H),
+                int4_group.dequantize(self.down, self.down_scale, I))

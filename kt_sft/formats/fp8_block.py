@@ -1,0 +1,54 @@
+"""FP8 block-128 weights as DeepSeek-V3/R1 and Kimi-K2-Instruct publish them (DESIGN.md §5).
+
+`weight` float8_e4m3fn [out, in] and `weight_scale_inv` float32 [ceil(out/128), ceil(in/128)]:
+W[o, i] = q[o, i] · scale_inv[o // 128, i // 128]. Edge blocks may be partial. Leading dims (experts) pass through.
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The per-block scales spread over every element of a [..., rows, cols] matrix."""
+    return scale_inv.repeat_interleave(BLOCK, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)[..., :cols]
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 weights from FP8 codes and their block scales (one float32 rounding per element)."""
+    rows, cols = q.shape[-2:]
+    check(q, scale_inv)
+    return q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), rows, cols)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
+    rows, cols = w.shape[-2:]
+    lead = w.shape[:-2]
+    nb_r, nb_c = _blocks(rows), _blocks(cols)
+    padded = torch.zeros(*lead, nb_r * BLOCK, nb_c * BLOCK, dtype=torch.float32)
+    padded[..., :rows, :cols] = w.to(torch.float32)
+    amax = padded.reshape(*lead, nb_r, BLOCK, nb_c, BLOCK).abs().amax(dim=(-3, -1))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w.to(torch.float32) / expand_scales(scale_inv, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv.contiguous()
+
+
+def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> None:
+    """Shapes and dtypes agree; scales are finite (a NaN/Inf scale would poison whole blocks)."""
+    rows, cols = q.shape[-2:]
+    want = (*q.shape[:-2], _blocks(rows), _blocks(cols))
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name} is {q.dtype}; FP8 block weights are float8_e4m3fn.")
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name} has scales of shape {list(scale_inv.shape)}; its [{rows}, {cols}] weight needs "
+                         f"{list(want)} (one per 128x128 block).")
+    if not torch.isfinite(scale_inv).all():
+        raise ValueError(f"{name} has NaN or Inf block scales (weight_scale_inv); the checkpoint is corrupt or was "
+                         "quantized wrongly: re-download or re-quantize it.")

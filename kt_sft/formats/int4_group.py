@@ -1,0 +1,69 @@
+"""RAWINT4 group-32 weights as Kimi-K2-Thinking / K2.5 publish their routed experts (DESIGN.md §5).
+
+compressed-tensors "pack-quantized", symmetric, group 32: `weight_packed` int32 [out, ceil(in/8)] holding element j
+in bits 4·(j % 8) of word j // 8 as q + 8, `weight_scale` bfloat16 [out, ceil(in/32)], `weight_shape` [out, in];
+W[o, j] = q[o, j] · scale[o, j // 32] with q in [-8, 7]. Leading dims (experts) pass through.
+"""
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+QMIN, QMAX = -8, 7
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """int32 words from int8 values in [-8, 7] along the last dim (zero-padded to whole words)."""
+    if q.dtype != torch.int8 or q.numel() and (q.min() < QMIN or q.max() > QMAX):
+        raise ValueError("INT4 packing takes int8 values in [-8, 7].")
+    cols = q.shape[-1]
+    nib = torch.zeros(*q.shape[:-1], -(-cols // 8) * 8, dtype=torch.int64)
+    nib[..., :cols] = q.to(torch.int64) + 8
+    words = (nib.reshape(*q.shape[:-1], -1, 8) << _SHIFTS).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int8 values in [-8, 7], [..., cols], from packed words."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    nib = (words.unsqueeze(-1) >> _SHIFTS) & 15
+    return (nib.reshape(*packed.shape[:-1], -1)[..., :cols] - 8).to(torch.int8)
+
+
+def expand_scales(scale: torch.Tensor, cols: int) -> torch.Tensor:
+    return scale.repeat_interleave(GROUP, -1)[..., :cols]
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """float32 weights (exact: a 4-bit integer times a BF16 scale)."""
+    check(packed, scale, cols)
+    return unpack(packed, cols).to(torch.float32) * expand_scales(scale.to(torch.float32), cols)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scale) with the compressed-tensors symmetric rule: scale = max|w| / 7.5 per group (BF16),
+    q = round(w / scale) clamped to [-8, 7]. All-zero groups get scale 1 (their q are 0)."""
+    cols = w.shape[-1]
+    ng = -(-cols // GROUP)
+    padded = torch.zeros(*w.shape[:-1], ng * GROUP, dtype=torch.float32)
+    padded[..., :cols] = w.to(torch.float32)
+    amax = padded.reshape(*w.shape[:-1], ng, GROUP).abs().amax(-1)
+    scale = torch.where(amax > 0, amax / ((QMAX - QMIN) / 2), torch.ones_like(amax)).to(torch.bfloat16)
+    q = torch.round(w.to(torch.float32) / expand_scales(scale.to(torch.float32), cols)).clamp(QMIN, QMAX)
+    return pack(q.to(torch.int8)), scale.contiguous()
+
+
+def check(packed: torch.Tensor, scale: torch.Tensor, cols: int, name: str = "INT4 weight") -> None:
+    """Shapes and dtypes agree with a [..., cols] weight; scales are finite."""
+    lead = tuple(packed.shape[:-1])
+    if packed.dtype != torch.int32:
+        raise ValueError(f"{name} is {packed.dtype}; packed INT4 weights are int32 words.")
+    if packed.shape[-1] != -(-cols // 8):
+        raise ValueError(f"{name} has {packed.shape[-1]} words per row; {cols} columns need {-(-cols // 8)}.")
+    if tuple(scale.shape) != (*lead, -(-cols // GROUP)):
+        raise ValueError(f"{name} has scales of shape {list(scale.shape)}; it needs {[*lead, -(-cols // GROUP)]} "
+                         "(one per 32 columns).")
+    if not torch.isfinite(scale.to(torch.float32)).all():
+        raise ValueError(f"{name} has NaN or Inf group scales (weight_scale); the checkpoint is corrupt or was "
+                         "quantized wrongly: re-download or re-quantize it.")

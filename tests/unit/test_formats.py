@@ -1,0 +1,94 @@
+"""FP8 block-128 and INT4 group-32 codecs against independent oracles, and their error checks."""
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+
+import kt_sft
+from kt_sft.formats import QuantizedExperts, fp8_block, int4_group
+
+
+class _Quantizer:  # the one attribute transformers' FP8 conversion ops read from their quantizer
+    class quantization_config:
+        weight_block_size = (128, 128)
+
+
+@pytest.mark.parametrize("cols", [8, 37, 64, 200])
+def test_int4_packing_matches_compressed_tensors(cols):
+    q = torch.randint(-8, 8, (3, 5, cols), dtype=torch.int8, generator=torch.Generator().manual_seed(cols))
+    packed = int4_group.pack(q)
+    assert torch.equal(packed, pack_to_int32(q, 4))
+    assert torch.equal(int4_group.unpack(packed, cols), q)
+    assert torch.equal(unpack_from_int32(packed[0], 4, torch.Size([5, cols])), q[0])
+
+
+def test_int4_extremes_and_zero_groups():
+    w = torch.zeros(2, 70)
+    w[0, :32] = torch.linspace(-1, 1, 32)
+    w[1, 40] = 1e-30  # tiny but non-zero: scale stays finite and the value rounds to 0 or ±1 step
+    packed, scale = int4_group.quantize(w)
+    assert scale.dtype == torch.bfloat16 and torch.isfinite(scale.float()).all()
+    back = int4_group.dequantize(packed, scale, 70)
+    assert back[0, 32:].abs().max() == 0 and back[1, :32].abs().max() == 0  # zero groups decode to zeros
+    assert (back[0, :32] - w[0, :32]).abs().max() <= scale[0, 0].float() / 2 + 1e-6  # half a step
+    assert int4_group.unpack(int4_group.pack(torch.tensor([[-8, 7, 0]], dtype=torch.int8)), 3).tolist() == [[-8, 7, 0]]
+
+
+def test_fp8_matches_transformers_block_quantization():
+    w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(0))
+    ours_q, ours_s = fp8_block.quantize(w)
+    theirs = Fp8Quantize(_Quantizer()).convert({"x.weight": [w]})
+    assert torch.equal(ours_q.view(torch.uint8), theirs["x.weight"].view(torch.uint8))
+    assert torch.allclose(ours_s, theirs["x.weight_scale_inv"], rtol=1e-6, atol=0)
+    deq = Fp8Dequantize(_Quantizer()).convert({"weight$": [ours_q], "weight_scale_inv": [ours_s]}, full_layer_name="w")
+    assert torch.equal(fp8_block.dequantize(ours_q, ours_s), deq["w"])
+
+
+def test_fp8_partial_edge_blocks_and_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # every finite code, subnormals and ±448 included
+    q = codes.repeat(300 * 200 // len(codes) + 1)[: 300 * 200].reshape(300, 200).view(torch.float8_e4m3fn)
+    s = torch.tensor([[0.5, 2.0], [3.0, 0.0], [1e-3, 7.0]])  # 3x2 blocks, two of them partial; one zero scale
+    got = fp8_block.dequantize(q, s)
+    rows = torch.arange(300) // 128
+    cols = torch.arange(200) // 128
+    want = q.float() * s[rows][:, cols]
+    assert torch.equal(got, want)
+    assert got[128:256, 128:].abs().max() == 0
+
+
+def test_bad_scales_and_codes_are_refused():
+    q = QuantizedExperts.quantize("fp8", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        fp8_block.check(q.down, torch.full_like(q.down_scale, float("inf")))
+    q.down_scale[1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="expert 1's down scales hold NaN"):
+        kt_sft.KTExperts(q)
+    q.down_scale[1, 0, 0] = 1.0
+    q.gate_up.view(torch.uint8)[0, 3, 5] = 0x7F
+    with pytest.raises(ValueError, match="expert 0's FP8 weights hold NaN codes"):
+        kt_sft.KTExperts(q)
+    q4 = QuantizedExperts.quantize("int4", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
+    q4.gate_up_scale[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="expert 0's gate/up scales hold NaN"):
+        kt_sft.KTExperts(q4)
+    with pytest.raises(ValueError, match="NaN or Inf group scales"):
+        int4_group.dequantize(q4.gate_up, q4.gate_up_scale, 16)
+
+
+def test_shape_and_dtype_mismatches_are_refused():
+    q = QuantizedExperts.quantize("int4", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
+    with pytest.raises(ValueError, match="down scale .* has shape"):
+        kt_sft.KTExperts(QuantizedExperts("int4", q.gate_up, q.down, q.gate_up_scale, q.down_scale[:, :8].contiguous()))
+    with pytest.raises(ValueError, match="must be bfloat16"):
+        kt_sft.KTExperts(QuantizedExperts("int4", q.gate_up, q.down, q.gate_up_scale, q.down_scale.float()))
+    with pytest.raises(ValueError, match="int8 values in"):
+        int4_group.pack(torch.tensor([[9]], dtype=torch.int8))
+    with pytest.raises(ValueError, match="unknown expert format"):
+        QuantizedExperts.empty("nf4", 1, 8, 8)
+
+
+def test_full_parameter_training_of_quantized_experts_is_refused():
+    q = QuantizedExperts.quantize("fp8", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
+    with pytest.raises(ValueError, match="full-parameter training of FP8 expert weights is not supported"):
+        kt_sft.KTExperts(q, train_base=True)

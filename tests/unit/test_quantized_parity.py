@@ -1,0 +1,77 @@
+"""FP8 and INT4 experts: engine output and every gradient vs the float64 reference run on the dequantized
+weights, on each kernel set, and module behaviour that differs from BF16 (buffers, moves, no base grads)."""
+import pytest
+import torch
+
+import kt_sft
+from experts_case import Shape, inputs, make_module, run_engine, run_reference
+from test_experts_parity import check, kernels  # noqa: F401  (the kernel-set fixture)
+from tolerances import BF16_IO, QUANTIZED_IO, for_kernels
+
+FORMATS = ["fp8", "int4"]
+
+SHAPES = [
+    # H, I not multiples of the 128-blocks / 32-groups: partial edge blocks and groups in both directions
+    Shape("partial_blocks", T=40, H=200, I=136, E=4, K=2),
+    Shape("experts_without_tokens", T=3, H=160, I=64, E=16, K=2),
+    Shape("all_tokens_on_one_expert", T=33, H=96, I=48, E=4, K=1, routing="one"),
+    Shape("t1_decode", T=1, H=300, I=70, E=8, K=4),
+    Shape("odd_h_and_i", T=19, H=37, I=29, E=5, K=3, r=3),
+    Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
+    Shape("rank_above_tile", T=21, H=48, I=40, E=4, K=2, r=37),
+    Shape("no_tokens", T=0, H=32, I=16, E=4, K=2),
+    Shape("chunked_long_reductions", T=48, H=2100, I=40, E=2, K=1, r=4),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_quantized_parity_fp32(kernels, fmt, shape):
+    m = make_module(shape, lora=True, expert_format=fmt)
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
+    shape = SHAPES[0]
+    m = make_module(shape, lora=False, expert_format=fmt)
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+    m = make_module(shape, lora=True, expert_format=fmt)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    got = run_engine(m, x, idx, w, g)
+    assert got["y"].dtype == torch.bfloat16
+    check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rank_256(fmt):
+    shape = Shape("rank_256", T=12, H=64, I=32, E=3, K=2, r=256)
+    m = make_module(shape, lora=True, expert_format=fmt)
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_weights_stay_put_and_out_of_state_dict(fmt):
+    shape = SHAPES[4]
+    m = make_module(shape, lora=True, expert_format=fmt)
+    before = {n: (b.data_ptr(), b.dtype) for n, b in m.named_buffers()}
+    m.double()  # dtype moves skip the experts (as device moves do)
+    assert {n: (b.data_ptr(), b.dtype) for n, b in m.named_buffers()} == before
+    assert not [k for k in m.state_dict() if "proj" in k and "lora" not in k]
+    assert all(not b.requires_grad for b in m.buffers())
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+    assert m.expert_format == fmt and f"format={fmt}" in repr(m)
+
+
+def test_quantized_forward_matches_bf16_within_quantization_error():
+    shape = SHAPES[0]
+    x, idx, w, _ = inputs(shape)
+    with torch.no_grad():
+        ref = make_module(shape, lora=False)(x, idx, w)
+        for fmt, bound in (("fp8", 0.08), ("int4", 0.2)):  # e4m3 keeps 3 mantissa bits; int4 16 levels per group
+            err = ((make_module(shape, lora=False, expert_format=fmt)(x, idx, w) - ref).norm() / ref.norm()).item()
+            assert 0 < err < bound, (fmt, err)
