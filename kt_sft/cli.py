@@ -45,7 +45,8 @@ def demo(args) -> int:
 def prepare_cmd(args) -> int:
     from .integrations.prepare import prepare
 
-    out = prepare(args.model_dir, args.out_dir, threads=args.threads, kernels=args.kernels)
+    out = prepare(args.model_dir, args.out_dir, threads=args.threads, kernels=args.kernels,
+                  expert_format=args.expert_format)
     print(f"prepared {out}: load it with trust_remote_code (LLaMA-Factory: model_name_or_path: {out}, "
           "trust_remote_code: true)")
     return 0
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("out_dir", help="where to write the prepared directory (small: links and config)")
     p.add_argument("--threads", type=int, help="engine threads (default: all CPUs the process may use)")
     p.add_argument("--kernels", help="force a kernel set (default: the best this CPU runs)")
+    p.add_argument("--expert-format", choices=["bf16", "fp8", "int4"],
+                   help="routed experts in RAM as BF16, FP8 block-128 or INT4 group-32 (default: the checkpoint's own "
+                        "format; quantizing trades accuracy for RAM, and full fine-tuning needs bf16)")
     p.set_defaults(fn=prepare_cmd)
     d = sub.add_parser("demo", help="write a tiny MoE checkpoint, dataset and LLaMA-Factory configs (no downloads)")
     d.add_argument("out_dir")

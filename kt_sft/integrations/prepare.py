@@ -10,8 +10,10 @@ from pathlib import Path
 
 from transformers import CONFIG_MAPPING, AutoConfig
 
+from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
+from ..loader.quantization import checkpoint_format
 from ..models import architecture_of, canonical_model_type
 from .modeling import SETTINGS_KEY
 
@@ -22,27 +24,34 @@ from kt_sft.integrations.modeling import KTSFTForCausalLM  # noqa: F401
 _WEIGHT_FILES = ("model.safetensors.index.json",)
 
 
-def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None) -> Path:
+def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
+            expert_format: str | None = None) -> Path:
+    """expert_format: 'bf16', 'fp8' or 'int4' for the routed experts in RAM (default: the checkpoint's own)."""
     source, out = Path(source).resolve(), Path(out)
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
+    if expert_format not in (None, *EXPERT_FORMATS):
+        raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
     raw = json.loads((source / "config.json").read_text())
     published_type = raw.get("model_type")
     raw["model_type"] = canonical_model_type(published_type)
     raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
+    # The loader reads quantized checkpoints itself (experts kept quantized, other weights dequantized), so the
+    # prepared model is not a quantized model to transformers or LLaMA-Factory.
+    fmt = checkpoint_format(raw.pop("quantization_config", None))
     config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
     if config is None:
         raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
                          "configuration).")
     architecture_of(config)
-    check_checkpoint(Checkpoint(source), config)
+    check_checkpoint(Checkpoint(source), config, fmt)
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
     out.mkdir(parents=True, exist_ok=True)
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
-                         "kernels": kernels}
+                         "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / SHIM).write_text(SHIM_TEXT)
     for f in source.iterdir():

@@ -59,17 +59,26 @@ class Checkpoint:
         meta = header[key]
         return shard, base + meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"])
 
+    def dtype(self, key: str) -> str:
+        """The safetensors dtype string of a tensor (BF16, F8_E4M3, I32, F32, ...), from its shard's header."""
+        return self._entry(key)[2]
+
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fills `out` (contiguous, CPU) with tensor `key`: file bytes straight into `out` when the dtypes
-        match (BF16 checkpoints into BF16 experts), else through one converted copy."""
+        match (BF16, FP8 or packed INT4 checkpoints into experts of the same format), else through one
+        converted copy."""
         shard, offset, dtype, shape = self._entry(key)
         if shape != tuple(out.shape):
             raise ValueError(f"{key} has shape {list(shape)} but {list(out.shape)} was expected.")
-        if dtype == "BF16" and out.dtype == torch.bfloat16 and out.is_contiguous():
-            buf = memoryview(out.view(torch.int16).numpy()).cast("B")
+        if _RAW_DTYPES.get(dtype) == out.dtype and out.is_contiguous():
+            buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
             with open(shard, "rb", buffering=0) as f:
                 f.seek(offset)
                 if f.readinto(buf) != len(buf):
                     raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
         else:
             out.copy_(self.get(key))
+
+
+# safetensors dtypes whose file bytes are the torch tensor's bytes (little-endian x86).
+_RAW_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "F32": torch.float32}

@@ -1,21 +1,26 @@
 """Builds a transformers MoE model whose routed experts live in the CPU engine, streaming the checkpoint.
 
 Non-expert weights are read from the shards into the stock model (built with parameters on the meta device,
-so nothing is allocated twice). Routed experts go one layer at a time from the per-expert tensors straight
-into the engine's fused BF16 layout: the full expert set never exists as a second copy, and no expert weight
-is ever given to the GPU.
+so nothing is allocated twice); ones stored in FP8 or INT4 are dequantized to the model dtype. Routed experts
+go one layer at a time from the per-expert tensors straight into the engine's fused layout, in the format
+asked for (default: the checkpoint's own, read byte for byte; or quantized / dequantized expert by expert):
+the full expert set never exists as a second copy, and no expert weight is ever given to the GPU.
 """
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
+from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
+from .quantization import COMPANION_SUFFIXES, checkpoint_format, read_weight, stored_shapes, weight_keys
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -32,8 +37,15 @@ def experts_modules(model, arch):
     return out
 
 
-def check_checkpoint(ckpt: Checkpoint, config) -> None:
-    """Every expert tensor is present with the shape config.json implies, before any weight is read."""
+def source_format(source: str | Path) -> str:
+    """The expert format a checkpoint directory is published in, from its config.json quantization_config."""
+    raw = json.loads((Path(source) / "config.json").read_text())
+    return checkpoint_format(raw.get("quantization_config"))
+
+
+def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
+    """Every expert tensor (and its scales) is present with the shape config.json implies, before any weight
+    is read."""
     arch = architecture_of(config)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -42,19 +54,88 @@ def check_checkpoint(ckpt: Checkpoint, config) -> None:
         want = ((two_i // 2, H), (two_i // 2, H), (H, two_i // 2))
         for e in range(E):
             for p in range(3):
-                key = arch.expert_key(layer, e, p)
-                if key not in ckpt.shard_of:
-                    raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} layout "
-                                     "implies; check that config.json belongs to these weights.")
-                if ckpt.shape(key) != want[p]:
-                    raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
-                                     f"{list(want[p])}; check that config.json belongs to these weights.")
+                expected = stored_shapes(fmt, want[p])
+                for key, shape in zip(weight_keys(fmt, arch.expert_key(layer, e, p)), expected):
+                    if key not in ckpt.shard_of:
+                        raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
+                                         f"layout ({fmt} experts) implies; check that config.json belongs to these "
+                                         "weights.")
+                    if ckpt.shape(key) != shape:
+                        raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
+                                         f"{list(shape)}; check that config.json belongs to these weights.")
+                if fmt == "int4" and e == 0:
+                    key = weight_keys(fmt, arch.expert_key(layer, e, p))[2]
+                    if ckpt.get(key).tolist() != list(want[p]):
+                        raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
+                                         f"{list(want[p])}; check that config.json belongs to these weights.")
 
 
-def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True):
+def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
+    """One expert weight as values (float32 when stored quantized)."""
+    return read_weight(ckpt, weight_keys(fmt, key)[0])[1]
+
+
+def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str):
+    """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts."""
+    keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
+    if target == "bf16":
+        gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+        down = torch.empty(E, H, I, dtype=torch.bfloat16)
+        for e in range(E):
+            for key, dst in zip(keys[e], (gate_up[e, :I], gate_up[e, I:], down[e])):
+                if source == "bf16":
+                    ckpt.read_into(key, dst)
+                else:
+                    dst.copy_(_expert_values(ckpt, source, key))
+        return gate_up, down
+    q = QuantizedExperts.empty(target, E, H, I)
+    for e in range(E):
+        if source != target:
+            q.set_expert(e, *(_expert_values(ckpt, source, key) for key in keys[e]))
+            continue
+        # The checkpoint's own bytes: values, then scales (FP8 keeps gate's and up's block grids apart).
+        gate_scale, up_scale = (q.gate_up_scale[e, 0], q.gate_up_scale[e, 1]) if target == "fp8" else \
+            (q.gate_up_scale[e, :I], q.gate_up_scale[e, I:])
+        dsts = ((q.gate_up[e, :I], gate_scale), (q.gate_up[e, I:], up_scale), (q.down[e], q.down_scale[e]))
+        for key, (values, scale) in zip(keys[e], dsts):
+            value_key, scale_key = weight_keys(target, key)[:2]
+            ckpt.read_into(value_key, values)
+            ckpt.read_into(scale_key, scale)
+    return q
+
+
+class _RefuseTrainingQuantizedBase:
+    """Full or freeze fine-tuning of a model whose experts are FP8/INT4 would leave the experts silently frozen.
+    At the first training forward of the experts, base weights that require grad (other than LoRA and
+    modules_to_save) get a clear error; once a training step is seen to be fine, the hooks go away."""
+
+    def __init__(self, model):
+        self.model = model
+        self.handles = [m.register_forward_pre_hook(self) for m in model.modules() if isinstance(m, KTExpertsLinear)]
+
+    def __call__(self, module, args):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n
+                     and "modules_to_save" not in n]
+        if trainable:
+            raise ValueError(f"base weights such as {trainable[0]} are being trained, but this model's routed experts "
+                             "are quantized and cannot train with them; use finetuning_type: lora, or prepare the "
+                             "model with `kt-sft prepare --expert-format bf16` to train every weight in BF16.")
+        for h in self.handles:
+            h.remove()
+
+
+def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True,
+                      expert_format: str | None = None):
+    """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
+    'fp8' or 'int4' (default: the checkpoint's own format). train_base: BF16 expert weights are trainable
+    parameters (full fine-tuning); quantized experts never are."""
     arch = architecture_of(config)
     ckpt = Checkpoint(source)
-    check_checkpoint(ckpt, config)
+    fmt = source_format(source)
+    target = expert_format or fmt
+    check_checkpoint(ckpt, config, fmt)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = experts_modules(model, arch)
@@ -64,10 +145,10 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     state = {}
     for key in ckpt.keys():
-        if key.startswith(expert_prefixes):
+        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES):
             continue
+        key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
-        t = ckpt.get(key)
         state[name] = t.to(targets[name].dtype) if name in targets else t
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
@@ -76,15 +157,13 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
 
     for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
-        inter = two_i // 2
-        gate_up = torch.empty(E, two_i, H, dtype=torch.bfloat16)
-        down = torch.empty(E, H, inter, dtype=torch.bfloat16)
-        for e in range(E):
-            ckpt.read_into(arch.expert_key(layer, e, 0), gate_up[e, :inter])
-            ckpt.read_into(arch.expert_key(layer, e, 1), gate_up[e, inter:])
-            ckpt.read_into(arch.expert_key(layer, e, 2), down[e])
+        weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target)
+        if target == "bf16":
+            experts = KTExpertsLinear(*weights, train_base=train_base)
+        else:
+            experts = KTExpertsLinear(weights)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, KTExpertsLinear(gate_up, down, train_base=train_base))
+        setattr(model.get_submodule(parent), child, experts)
 
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -92,4 +171,6 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     if still_meta:
         raise ValueError(f"the checkpoint lacks {still_meta[:3]}{' and more' if len(still_meta) > 3 else ''}; "
                          "it does not hold a complete model.")
+    if target != "bf16":
+        _RefuseTrainingQuantizedBase(model)
     return model.eval()

@@ -1,0 +1,77 @@
+"""Which expert format a checkpoint is published in (its config.json `quantization_config`), and reading its
+tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors pack-quantized INT4
+group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16 (`weight`)."""
+from __future__ import annotations
+
+import torch
+
+from ..formats import fp8_block, int4_group
+
+SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]) and compressed-tensors pack-quantized "
+             "int4 (symmetric, group_size 32), or no quantization_config (BF16)")
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"this checkpoint's quantization_config has {what}; kt_sft reads {SUPPORTED}.")
+
+
+def checkpoint_format(quantization_config: dict | None) -> str:
+    """'bf16', 'fp8' or 'int4' from a config.json quantization_config; a clear error for anything else."""
+    qc = quantization_config
+    if not qc:
+        return "bf16"
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
+            raise _unsupported(f"fmt {qc.get('fmt')!r} and weight_block_size {qc.get('weight_block_size')}")
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise _unsupported(f"{len(groups)} config_groups (one group of int4 weights is supported)")
+        weights = groups[0].get("weights") or {}
+        fmt = groups[0].get("format") or qc.get("format")
+        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+        got = {k: weights.get(k) for k in want}
+        if got != want or fmt != "pack-quantized" or groups[0].get("input_activations"):
+            raise _unsupported(f"format {fmt!r} with weights {got} and input_activations "
+                               f"{groups[0].get('input_activations')}")
+        return "int4"
+    raise _unsupported(f"quant_method {method!r}")
+
+
+def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
+    """The checkpoint keys that hold one weight (named by its `<module>.weight` key) in a format."""
+    base = weight_key.removesuffix(".weight")
+    if fmt == "fp8":
+        return weight_key, base + ".weight_scale_inv"
+    if fmt == "int4":
+        return base + ".weight_packed", base + ".weight_scale", base + ".weight_shape"
+    return (weight_key,)
+
+
+def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
+    """The shapes of weight_keys(...) for a weight of `shape` [out, in]."""
+    out, inp = shape
+    if fmt == "fp8":
+        return shape, (-(-out // fp8_block.BLOCK), -(-inp // fp8_block.BLOCK))
+    if fmt == "int4":
+        return (out, -(-inp // 8)), (out, -(-inp // int4_group.GROUP)), (2,)
+    return (shape,)
+
+
+# Companion tensors: read together with the weight they belong to, never as weights of their own.
+COMPANION_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_shape")
+
+
+def read_weight(ckpt, key: str) -> tuple[str, torch.Tensor]:
+    """(module key `<module>.weight`, float32 values) of a non-expert weight stored quantized, or the tensor
+    as stored for everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`)."""
+    if key.endswith(".weight_packed"):
+        base = key.removesuffix(".weight_packed")
+        cols = int(ckpt.get(base + ".weight_shape")[1])
+        return base + ".weight", int4_group.dequantize(ckpt.get(key), ckpt.get(base + ".weight_scale"), cols)
+    t = ckpt.get(key)
+    if t.dtype == torch.float8_e4m3fn:
+        return key, fp8_block.dequantize(t, ckpt.get(key.removesuffix(".weight") + ".weight_scale_inv"))
+    return key, t

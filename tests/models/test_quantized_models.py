@@ -1,0 +1,118 @@
+"""Quantized checkpoints as published (FP8 DeepSeek-V3, INT4 Kimi-K2) and BF16 ones quantized at load, through
+`kt-sft prepare` + AutoModelForCausalLM(trust_remote_code): experts stay quantized in the engine, logits equal
+the stock model on the dequantized values, LoRA trains, full fine-tuning is refused, bad configs are named."""
+import json
+
+import peft
+import pytest
+import torch
+import transformers
+
+from kt_sft.cli import main
+from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import dequantized_copy, quantize_checkpoint
+from tiny_models import tiny_model
+from tolerances import FP32_IO, rel_l2
+
+IDS = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def load(directory):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """fp8: a DeepSeek-V3 checkpoint in FP8 layout; int4: a Kimi-K2 one in RAWINT4 layout."""
+    root = tmp_path_factory.mktemp("quantized")
+    tiny_model("deepseek_v3").save_pretrained(root / "bf16")
+    return {"fp8": quantize_checkpoint(root / "bf16", root / "fp8", "fp8"),
+            "int4": quantize_checkpoint(root / "bf16", root / "int4", "int4", model_type="kimi_k2"),
+            "bf16": root / "bf16"}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_published_quantized_checkpoint_loads_and_matches(published, tmp_path, fmt):
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(published[fmt]), str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and written["kt_sft"]["expert_format"] == fmt
+    model = load(out)
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all(m.expert_format == fmt for m in experts)
+    assert all(not hasattr(m, "weight_scale_inv") for m in model.modules())
+    ref = load(dequantized_copy(published[fmt], tmp_path / "ref", "deepseek_v3"))
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_bf16_checkpoint_quantized_at_load(published, tmp_path, fmt):
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(published["bf16"]), str(out), "--expert-format", fmt]) == 0
+    model = load(out)
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert all(m.expert_format == fmt for m in experts)
+    ref = tiny_model("deepseek_v3")
+    ours_exp = iter(experts)
+    with torch.no_grad():
+        for m in ref.modules():
+            if type(m).__name__ in ("DeepseekV3NaiveMoe", "DeepseekV3Experts"):
+                gu, dn = next(ours_exp).base_weights()
+                m.gate_up_proj.copy_(gu)
+                m.down_proj.copy_(dn)
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+
+def test_fp8_checkpoint_dequantized_to_bf16_trains_fully(published, tmp_path):
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(published["fp8"]), str(out), "--expert-format", "bf16"]) == 0
+    model = load(out)
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert all(m.expert_format == "bf16" and m.gate_up_proj.requires_grad for m in experts)
+    model.train()
+    model(IDS, labels=IDS).loss.backward()
+    assert all(m.gate_up_proj.grad is not None and m.gate_up_proj.grad.abs().sum() > 0 for m in experts)
+
+
+def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published, tmp_path):
+    out = tmp_path / "prepared"
+    main(["prepare", str(published["fp8"]), str(out)])
+    model = load(out).train()
+    with pytest.raises(ValueError, match="routed experts are quantized and cannot train"):
+        model(IDS, labels=IDS)
+    lora = peft.get_peft_model(load(out), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora.train()
+    experts = [m for m in lora.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all("default" in m.lora_A for m in experts)
+    lora(input_ids=IDS, labels=IDS).loss.backward()
+    assert all(m.lora_B["default"]["down"].grad.abs().sum() > 0 for m in experts)
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}, "'num_bits': 8"),
+])
+def test_unsupported_quantization_is_named(published, tmp_path, qc, match):
+    cfg = json.loads((published["bf16"] / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (published["bf16"] / "config.json").write_text(json.dumps(cfg))
+    try:
+        with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
+            main(["prepare", str(published["bf16"]), str(tmp_path / "out")])
+    finally:
+        cfg.pop("quantization_config")
+        (published["bf16"] / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_scales_are_named(published, tmp_path):
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "broken"
+    quantize_checkpoint(published["bf16"], src, "fp8")
+    state = load_file(str(src / "model.safetensors"))
+    del state["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"]
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_inv"):
+        main(["prepare", str(src), str(tmp_path / "out")])

@@ -1,0 +1,74 @@
+"""Tiny checkpoints laid out as the official quantized ones are published (DESIGN.md §5), made from BF16 ones:
+
+- fp8 (DeepSeek-V3/R1, Kimi-K2-Instruct): every linear projection (attention, dense and shared MLPs, routed
+  experts) as float8_e4m3fn `weight` + float32 `weight_scale_inv`; embeddings, norms, router and lm_head stay BF16.
+- int4 (Kimi-K2-Thinking / K2.5): only the routed experts, as compressed-tensors pack-quantized `weight_packed`,
+  `weight_scale`, `weight_shape`; everything else BF16 and named in the config's ignore list.
+
+`dequantized_copy` writes the float32 checkpoint of exactly the values the quantized one decodes to, which the
+stock transformers model loads as the reference.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kt_sft.formats import fp8_block, int4_group
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.loader.quantization import COMPANION_SUFFIXES, read_weight
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": 32, "dynamic": False, "observer": "minmax"}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+    "kv_cache_scheme": None,
+}
+
+
+def _copy_other_files(src: Path, dst: Path):
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, dst / f.name)
+
+
+def quantize_checkpoint(src: Path, dst: Path, fmt: str, model_type: str | None = None) -> Path:
+    state = load_file(str(src / "model.safetensors"))
+    out = {}
+    for key, t in state.items():
+        base = key.removesuffix(".weight")
+        if fmt == "fp8" and key.endswith("proj.weight"):
+            out[key], out[base + ".weight_scale_inv"] = fp8_block.quantize(t.float())
+        elif fmt == "int4" and ".mlp.experts." in key:
+            out[base + ".weight_packed"], out[base + ".weight_scale"] = int4_group.quantize(t.float())
+            out[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+        else:
+            out[key] = t
+    _copy_other_files(src, dst)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = FP8_CONFIG if fmt == "fp8" else INT4_CONFIG
+    if model_type:
+        cfg["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
+def dequantized_copy(src: Path, dst: Path, model_type: str) -> Path:
+    ckpt = Checkpoint(src)
+    state = dict(read_weight(ckpt, k) for k in ckpt.keys() if not k.endswith(COMPANION_SUFFIXES))
+    _copy_other_files(src, dst)
+    save_file({k: v.float().contiguous() for k, v in state.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config")
+    cfg["model_type"] = model_type
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
