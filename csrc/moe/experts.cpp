@@ -17,6 +17,10 @@ constexpr int BLOCK = 64;
 
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
+// Floats of one thread's tile in backward: a weight-grad block (BLOCK rows of H or I) or a LoRA B grad
+// block before its transpose (r rows of BLOCK), and at least one row of H for combine.
+long per_thread_tile(long H, long I, long r) { return std::max({long(BLOCK) * std::max(H, I), long(BLOCK) * r, H}); }
+
 struct Item {
   int kind, e, block;
 };
@@ -258,7 +262,7 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
                 + N * H              // per-slot outputs (forward y, backward dx)
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
-                + threads * std::max(BLOCK * std::max(H, I), H));  // per-thread tiles
+                + threads * per_thread_tile(H, I, r));
 }
 
 std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
@@ -424,7 +428,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   float* wz[3] = {sc.get(Scratch::Z0, N * r), sc.get(Scratch::Z1, N * r), sc.get(Scratch::Z2, N * r)};
   float* BT = sc.get(Scratch::BT, size_t(E_) * r * (2 * I + H));
   float* bt[3] = {BT, BT + long(E_) * r * I, BT + 2L * E_ * r * I};
-  const long tile = std::max(long(BLOCK) * std::max(H, I), H);
+  const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
   const bool lora_on[3] = {!lora.A[GATE].empty(), !lora.A[UP].empty(), !lora.A[DOWN].empty()};
 

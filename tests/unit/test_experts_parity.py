@@ -20,6 +20,8 @@ SHAPES = [
     Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
     Shape("rank_1", T=9, H=32, I=16, E=3, K=2, r=1),
     Shape("rank_above_tile", T=21, H=48, I=40, E=4, K=2, r=37),
+    # the largest rank, far above H and I: LoRA-B grad blocks outgrow the weight-grad tiles
+    Shape("rank_256", T=12, H=64, I=32, E=3, K=2, r=256),
     Shape("no_tokens", T=0, H=32, I=16, E=4, K=2),
     # H above the kernels' K chunk (2048) and not a multiple of it; enough rows to widen weight tiles
     Shape("chunked_long_reductions", T=48, H=2100, I=40, E=2, K=1, r=4),

@@ -19,6 +19,7 @@ SHAPES = [
     Shape("odd_h_and_i", T=19, H=37, I=29, E=5, K=3, r=3),
     Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
     Shape("rank_above_tile", T=21, H=48, I=40, E=4, K=2, r=37),
+    Shape("rank_256", T=12, H=64, I=32, E=3, K=2, r=256),
     Shape("no_tokens", T=0, H=32, I=16, E=4, K=2),
     Shape("chunked_long_reductions", T=48, H=2100, I=40, E=2, K=1, r=4),
 ]
@@ -43,14 +44,6 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     got = run_engine(m, x, idx, w, g)
     assert got["y"].dtype == torch.bfloat16
     check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_rank_256(fmt):
-    shape = Shape("rank_256", T=12, H=64, I=32, E=3, K=2, r=256)
-    m = make_module(shape, lora=True, expert_format=fmt)
-    x, idx, w, g = inputs(shape)
-    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
