@@ -9,6 +9,11 @@ memory read bandwidth, and peak RSS against the weight bytes.
 
   python benchmarks/bench_layer.py --shape S            # H=1024 I=512 E=16 K=4 T=256 r=8
   python benchmarks/bench_layer.py --shape Q --T 2048   # Qwen3-30B-A3B layer, r=16
+  python benchmarks/bench_layer.py --shape Q --formats bf16,fp8,int4 --skip torch   # quantized experts
+
+With several --formats, each is measured for ours and for the peer's method of that format (AMXBF16_SFT,
+AMXFP8_SFT, RAWINT4_SFT; the peer's INT4 runs LoRA rank 8 only), and decode bandwidth counts each format's
+own bytes (codes + scales).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
+from kt_sft.formats import QuantizedExperts  # noqa: E402
 from kt_sft.ops.reference import LoraWeights, moe_experts_reference  # noqa: E402
 
 SHAPES = {
@@ -83,8 +89,18 @@ def make_inputs(T, H, E, K, seed=1):
     return x, idx, w
 
 
-def bench_ours(gu, dn, x, idx, w, r, reps):
-    m = kt_sft.KTExperts(gu, dn)
+def quantized(fmt, gu, dn):
+    return None if fmt == "bf16" else QuantizedExperts.quantize(fmt, gu, dn)
+
+
+def expert_bytes(fmt, gu, dn, q) -> int:
+    """Bytes the engine reads for all experts of the layer in a format (weights + scales)."""
+    if q is None:
+        return (gu.numel() + dn.numel()) * 2
+    return sum(t.numel() * t.element_size() for t in (q.gate_up, q.down, q.gate_up_scale, q.down_scale))
+
+
+def bench_ours(m, x, idx, w, r, reps):
     m.add_lora(r, 2 * r)
     for p in m.lora_B["default"].values():
         torch.nn.init.normal_(p, std=0.01)
@@ -137,15 +153,21 @@ def bench_torch(gu, dn, x, idx, w, r, reps):
     return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]))
 
 
-def bench_peer(gu, dn, x, idx, w, r, reps, threads):
+PEER_METHODS = {"bf16": "AMXBF16_SFT", "fp8": "AMXFP8_SFT", "int4": "RAWINT4_SFT"}
+
+
+def bench_peer(gu, dn, q, x, idx, w, r, reps, threads, fmt="bf16"):
     try:
         import peer_ktkernel
     except ImportError as e:
         return None, f"benchmarks/peer_ktkernel.py not importable: {e}"
-    ok, why = peer_ktkernel.available()
+    ok, why = peer_ktkernel.available(PEER_METHODS[fmt])
     if not ok:
         return None, why
-    peer = peer_ktkernel.make_peer(gu, dn, idx.shape[1], r, 2 * r, threads)
+    try:
+        peer = peer_ktkernel.make_peer(gu, dn, idx.shape[1], r, 2 * r, threads, quantized=q)
+    except ValueError as e:  # its constraints (e.g. INT4 rank 8 only), stated by the peer
+        return None, str(e)
     gout = torch.randn_like(x)
     fwd_ms = median_ms(lambda: peer.forward(x, idx, w), reps)
     bwd_times = []
@@ -157,29 +179,39 @@ def bench_peer(gu, dn, x, idx, w, r, reps, threads):
     return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:])), "ok"
 
 
-def rss_probe(E, H, I, K, T, r) -> dict:
-    """Peak RSS of a fresh process holding one engine and running forward+backward, vs weight bytes."""
+def rss_probe(E, H, I, K, T, r, fmt="bf16") -> dict:
+    """Peak RSS of a fresh process holding one engine and running forward+backward, vs the bytes of its expert
+    weights in the format (quantized weights are made in place, expert by expert, as the loader does)."""
     code = f"""
 import torch, kt_sft
+from kt_sft.formats import QuantizedExperts
 def rss(key="VmHWM"):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak count after the imports
 base = rss("VmRSS")
-m = kt_sft.KTExperts(torch.empty({E}, {2 * I}, {H}, dtype=torch.bfloat16).normal_(),
-                     torch.empty({E}, {H}, {I}, dtype=torch.bfloat16).normal_())
+if "{fmt}" == "bf16":
+    m = kt_sft.KTExperts(torch.empty({E}, {2 * I}, {H}, dtype=torch.bfloat16).normal_(),
+                         torch.empty({E}, {H}, {I}, dtype=torch.bfloat16).normal_())
+else:  # random codes filled in place (no temporaries); 0..126 avoids the FP8 NaN codes
+    q = QuantizedExperts.empty("{fmt}", {E}, {H}, {I})
+    for t in (q.gate_up, q.down):
+        t.view(torch.uint8).random_(0, 127)
+    for t in (q.gate_up_scale, q.down_scale):
+        t.fill_(1e-3)
+    m = kt_sft.KTExperts(q)
+    wbytes = sum(t.numel() * t.element_size() for t in (q.gate_up, q.down, q.gate_up_scale, q.down_scale))
 held = rss()
 m.add_lora({r}, {2 * r})
 x = torch.randn({T}, {H}, dtype=torch.bfloat16, requires_grad=True)
 idx = torch.stack([torch.randperm({E})[:{K}] for _ in range({T})])
 w = torch.rand({T}, {K}, requires_grad=True)
 m(x, idx, w).backward(torch.randn({T}, {H}, dtype=torch.bfloat16))
-print(base, held, rss(), kt_sft.capabilities()["scratch_bytes"])
+print(base, held, rss(), kt_sft.capabilities()["scratch_bytes"], wbytes if "{fmt}" != "bf16" else {E * 3 * H * I * 2})
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    base, held, peak, scratch = map(int, out)
-    wbytes = E * 3 * H * I * 2
+    base, held, peak, scratch, wbytes = map(int, out)
     return dict(weight_gb=wbytes / 1e9, held_over_weights=(held - base) / wbytes,
                 peak_over_weights=(peak - base) / wbytes, scratch_gb=scratch / 1e9, peak_gb=(peak - base) / 1e9)
 
@@ -199,11 +231,32 @@ def git_commit() -> str:
         return "?"
 
 
+def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res):
+    """Ours (and the peer) on one format's experts: training fwd/bwd, inference, decode, RSS."""
+    E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
+    q = quantized(fmt, gu, dn)
+    res["ours"][fmt] = bench_ours(kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q), x, idx, w, r, reps)
+    if "peer" not in skip:
+        peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
+        res["peer"][fmt], res["peer_status"][fmt] = bench_peer(gu, dn, q, x, idx, w, peer_r, reps, threads, fmt)
+    if "decode" not in skip:
+        xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
+        m = kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
+        m.add_lora(r, 2 * r)
+        with torch.no_grad():
+            ms = median_ms(lambda: m(xd, idxd, wd), max(reps, 20))
+        res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
+    if "rss" not in skip:
+        res["rss"][fmt] = rss_probe(E, H, I, K, x.shape[0], r, fmt)
+    gc.collect()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="S", choices=sorted(SHAPES))
     for k in ("T", "r", "threads", "reps"):
         ap.add_argument(f"--{k}", type=int)
+    ap.add_argument("--formats", default="bf16", help="comma list of: bf16,fp8,int4")
     ap.add_argument("--skip", default="", help="comma list of: torch,peer,decode,rss,peak")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -213,66 +266,61 @@ def main():
     threads = args.threads or kt_sft.capabilities()["threads"]
     reps = args.reps or 5
     skip = set(filter(None, args.skip.split(",")))
+    formats = args.formats.split(",")
     kt_sft.configure(threads=threads)
     torch.set_num_threads(threads)
     E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
     caps = kt_sft.capabilities()
     res = dict(shape=args.shape, **s, threads=threads, kernels=caps["kernels"], cpu=cpu_name(),
-               commit=git_commit(), torch_version=torch.__version__)
+               commit=git_commit(), torch_version=torch.__version__, ours={}, peer={}, peer_status={}, decode={},
+               rss={})
     flop = 6 * T * K * H * I  # one pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products
     gu, dn = make_layer(E, H, I, r)
     x, idx, w = make_inputs(T, H, E, K)
-    res["ours"] = bench_ours(gu, dn, x, idx, w, r, reps)
+    for fmt in formats:
+        run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res)
     if "torch" not in skip:
         res["torch"] = bench_torch(gu, dn, x, idx, w, r, reps)
-    if "peer" not in skip:
-        res["peer"], res["peer_status"] = bench_peer(gu, dn, x, idx, w, r, reps, threads)
-    if "decode" not in skip:
-        xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
-        m = kt_sft.KTExperts(gu, dn)
-        m.add_lora(r, 2 * r)
-        with torch.no_grad():
-            res["decode_ms"] = median_ms(lambda: m(xd, idxd, wd), max(reps, 20))
-        res["decode_gbps"] = K * 3 * H * I * 2 / res["decode_ms"] / 1e6
-        del m
-    gc.collect()
     if "peak" not in skip:
         res["peak_gflops"] = measured_peak_gflops(threads)
         res["read_gbps"] = measured_read_gbps(threads)
-    if "rss" not in skip:
-        res["rss"] = rss_probe(E, H, I, K, T, r)
-
-    print(f"\nshape {args.shape}: T={T} H={H} I={I} E={E} K={K} r={r}, {threads} threads, kernels {caps['kernels']}, "
-          f"commit {res['commit']}, torch {res['torch_version']}\nCPU: {res['cpu']}")
-    print(f"{'':10s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd':>9s} {'GFLOP/s f/b':>14s}")
-    for name in ("ours", "torch", "peer"):
-        v = res.get(name)
-        if v:
-            print(f"{name:10s} {v['fwd']:9.1f} {v['bwd']:9.1f} {v['fwd'] + v['bwd']:9.1f} "
-                  f"{flop / v['fwd'] / 1e6:6.0f}/{flop / v['bwd'] / 1e6:<6.0f}")
-    if "peer_status" in res and res["peer"] is None:
-        print(f"kt-kernel: not measured ({res['peer_status']})")
-    o = res["ours"]
-    for name in ("torch", "peer"):
-        if res.get(name):
-            v = res[name]
-            print(f"speed-up of ours vs {name} (fwd+bwd): {(v['fwd'] + v['bwd']) / (o['fwd'] + o['bwd']):.2f}x")
-    print(f"inference forward: {o['infer']:.1f} ms")
-    if "peak_gflops" in res:
-        peak = max(res["peak_gflops"].values())
-        print(f"measured matmul peak: {res['peak_gflops']}  -> ours fwd {flop / o['fwd'] / 1e6 / peak:.0%}, "
-              f"bwd {flop / o['bwd'] / 1e6 / peak:.0%} of it")
-        print(f"measured read bandwidth: {res['read_gbps']:.1f} GB/s")
-    if "decode_ms" in res:
-        bw = f" = {res['decode_gbps'] / res['read_gbps']:.0%} of read bandwidth" if "read_gbps" in res else ""
-        print(f"decode T=1: {res['decode_ms']:.3f} ms, {res['decode_gbps']:.1f} GB/s of expert weights{bw}")
-    if "rss" in res:
-        q = res["rss"]
-        print(f"RSS: weights {q['weight_gb']:.2f} GB; held {q['held_over_weights']:.3f}x weights; "
-              f"peak after fwd+bwd {q['peak_gb']:.2f} GB = {q['peak_over_weights']:.2f}x weights "
-              f"(scratch {q['scratch_gb']:.2f} GB)")
+    report(res, flop)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
+
+
+def report(res, flop):
+    print(f"\nshape {res['shape']}: T={res['T']} H={res['H']} I={res['I']} E={res['E']} K={res['K']} r={res['r']}, "
+          f"{res['threads']} threads, kernels {res['kernels']}, commit {res['commit']}, torch {res['torch_version']}"
+          f"\nCPU: {res['cpu']}")
+    print(f"{'':12s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd':>9s} {'GFLOP/s f/b':>14s}")
+    rows = [(f"ours {f}", v) for f, v in res["ours"].items()] + [(f"peer {f}", v) for f, v in res["peer"].items() if v]
+    rows += [("torch bf16", res["torch"])] if res.get("torch") else []
+    for name, v in rows:
+        print(f"{name:12s} {v['fwd']:9.1f} {v['bwd']:9.1f} {v['fwd'] + v['bwd']:9.1f} "
+              f"{flop / v['fwd'] / 1e6:6.0f}/{flop / v['bwd'] / 1e6:<6.0f}")
+    for f, why in res["peer_status"].items():
+        if res["peer"].get(f) is None:
+            print(f"peer {f}: not measured ({why})")
+    total = {name: v["fwd"] + v["bwd"] for name, v in rows}
+    for f in res["ours"]:
+        base = total[f"ours {f}"]
+        for other in (f"peer {f}", "torch bf16", "ours bf16"):
+            if other in total and other != f"ours {f}":
+                print(f"ours {f} vs {other} (fwd+bwd): {total[other] / base:.2f}x faster")
+        print(f"ours {f} inference forward: {res['ours'][f]['infer']:.1f} ms")
+    if "peak_gflops" in res:
+        peak = max(res["peak_gflops"].values())
+        print(f"measured matmul peak: {res['peak_gflops']}; measured read bandwidth: {res['read_gbps']:.1f} GB/s")
+        for f, o in res["ours"].items():
+            print(f"ours {f}: fwd {flop / o['fwd'] / 1e6 / peak:.0%}, bwd {flop / o['bwd'] / 1e6 / peak:.0%} of the peak")
+    for f, d in res["decode"].items():
+        bw = f" = {d['gbps'] / res['read_gbps']:.0%} of read bandwidth" if "read_gbps" in res else ""
+        print(f"decode T=1 {f}: {d['ms']:.3f} ms, {d['gbps']:.1f} GB/s of expert bytes{bw}")
+    for f, q in res["rss"].items():
+        print(f"RSS {f}: weights {q['weight_gb']:.2f} GB; held {q['held_over_weights']:.3f}x weights; "
+              f"peak after fwd+bwd {q['peak_gb']:.2f} GB = {q['peak_over_weights']:.2f}x weights "
+              f"(scratch {q['scratch_gb']:.2f} GB)")
 
 
 if __name__ == "__main__":
