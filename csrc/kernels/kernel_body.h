@@ -84,9 +84,9 @@ inline void widen_row(const kt::Rows<fp8_block>& b, long i, long col0, long len,
   }
 }
 
-// INT4: per 32-column group, nibble · s − 8 · s (one FMA; both products and the sum are exact in float32,
-// so this equals (nibble − 8) · s). Vector loads start on whole words (8 nibbles).
-// (S is Simd, a template parameter only so that the scalar set, which has no nibbles(), compiles the scalar loop.)
+// INT4: per 32-column group, (nibble − 8) · s, exact in float32. Vector loads start on whole words (8 nibbles).
+// (S is Simd, a template parameter only so that the scalar set, which has no int4_values(), compiles the
+// scalar loop.)
 template <class S = Simd>
 inline void widen_row_int4(const kt::Rows<int4_group>& b, long i, long col0, long len, float* dst) {
   constexpr int G = int4_group::GROUP;
@@ -97,11 +97,11 @@ inline void widen_row_int4(const kt::Rows<int4_group>& b, long i, long col0, lon
     const long gend = std::min(end, (c / G + 1) * G);
     const float s = kt::bf16_to_f32(sc[c / G]);
     if constexpr (S::W >= 8) {
-      const V sv = S::set1(s), off = S::set1(-8.f * s);
+      const V sv = S::set1(s);
       if (c % 8 == 0)
-        for (; c + S::W <= gend; c += S::W) S::store(dst + (c - col0), S::fma(S::nibbles(words + c / 8), sv, off));
+        for (; c + S::W <= gend; c += S::W) S::store(dst + (c - col0), S::mul(S::int4_values(words + c / 8), sv));
     }
-    for (; c < gend; ++c) dst[c - col0] = std::fma(float(kt::int4_nibble(words, c)), s, -8.f * s);
+    for (; c < gend; ++c) dst[c - col0] = float(kt::int4_nibble(words, c) - 8) * s;
   }
 }
 
@@ -169,8 +169,96 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
   }
 }
 
-template <class TB>
+// Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where
+// a decoded tile would be used only once. A cursor walks one weight row segment by segment (an FP8 block or
+// an INT4 group shares one scale): products with the unscaled values are summed over the segment, then
+// scaled once, which saves a multiply per vector. S is Simd (a template parameter so the scalar set never
+// compiles this).
+template <class S>
+struct Fp8Cursor {
+  static constexpr int SEG = fp8_block::BLOCK;
+  const uint8_t* q;  // the row's codes
+  const float* sc;   // the row's block scales
+  typename S::V raw(long k) const { return S::fp8_scaled(q + k); }
+  float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
+  float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
+};
+
+template <class S>
+struct Int4Cursor {
+  static constexpr int SEG = int4_group::GROUP;
+  const uint32_t* w;  // the row's words
+  const bf16* sc;     // the row's group scales
+  typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
+  float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
+  float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
+};
+
+template <class S>
+Fp8Cursor<S> cursor(const kt::Rows<fp8_block>& b, long i) {
+  const long row = b.row0 + i;
+  return {b.q + row * b.ld, b.scale + (row / fp8_block::BLOCK) * b.scale_ld};
+}
+
+template <class S>
+Int4Cursor<S> cursor(const kt::Rows<int4_group>& b, long i) {
+  const long row = b.row0 + i;
+  return {b.words + row * b.ld, b.scale + row * b.scale_ld};
+}
+
+template <int MR, int NR, class S, class TB>
+void gemm_nt_fused(const GemmNT<TB>& g) {
+  using Cursor = decltype(cursor<S>(g.b, 0));
+  using VS = typename S::V;
+  const long kv = g.K - g.K % S::W;
+  for (int n0 = 0; n0 < g.N; n0 += NR) {
+    const int nr = std::min(NR, g.N - n0);
+    Cursor cur[NR];
+    for (int j = 0; j < NR; ++j) cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
+    for (int m0 = 0; m0 < g.M; m0 += MR) {
+      const int mr = std::min(MR, g.M - m0);
+      const float* a[MR];
+      for (int i = 0; i < MR; ++i) a[i] = g.a.at(m0 + std::min(i, mr - 1));
+      VS acc[MR][NR];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = S::zero();
+      for (long k0 = 0; k0 < kv; k0 += Cursor::SEG) {
+        const long k1 = std::min<long>(k0 + Cursor::SEG, kv);
+        VS seg[MR][NR];
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) seg[i][j] = S::zero();
+        for (long k = k0; k < k1; k += S::W) {
+          VS av[MR];
+          for (int i = 0; i < MR; ++i) av[i] = S::load(a[i] + k);
+          for (int j = 0; j < NR; ++j) {
+            const VS w = cur[j].raw(k);
+            for (int i = 0; i < MR; ++i) seg[i][j] = S::fma(av[i], w, seg[i][j]);
+          }
+        }
+        for (int j = 0; j < NR; ++j) {
+          const VS sv = S::set1(cur[j].scale(k0));
+          for (int i = 0; i < MR; ++i) acc[i][j] = S::fma(seg[i][j], sv, acc[i][j]);
+        }
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+          float s = S::hsum(acc[i][j]);
+          for (long k = kv; k < g.K; ++k) s = std::fma(a[i][k], cur[j].one(k), s);
+          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, s, g.accumulate);
+        }
+    }
+  }
+}
+
+template <class TB, class S = Simd>
 void gemm_nt(const GemmNT<TB>& g) {
+  if constexpr (kQuantized<TB> && S::W >= 8) {
+    // Weight rows in flight: 2·MR·NR accumulators (segment and total) fit 16 ymm with NR·MR = 4 on AVX2,
+    // 32 zmm with NR·MR = 8 on AVX-512.
+    constexpr int RN = S::W == 8 ? 4 : 8;
+    if (g.M == 1) return gemm_nt_fused<1, RN, S>(g);
+    if (g.M == 2) return gemm_nt_fused<2, RN / 2, S>(g);
+  }
   // One activation row (decode): every FMA is useful with MR = 1, and 8 weight rows in flight keep the memory
   // streams busy (8 accumulators + 8 weight vectors fit the 16 ymm of AVX2). BF16 rows are read in place there;
   // widening pays off once a tile is reused by more than one row block.

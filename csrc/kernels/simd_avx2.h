@@ -15,18 +15,19 @@ struct Simd {
     __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  // W float8_e4m3fn codes as float32 · 2^-8: each byte's sign, exponent and mantissa moved into a half
-  // float (exponent bias 15 instead of 7, so subnormals map to subnormals), converted exactly by F16C.
+  // W float8_e4m3fn codes as float32 · 2^-8: each byte shifted left by 7 in a 16-bit lane puts exponent and
+  // mantissa in a half float's fields (exponent bias 15 instead of 7, so subnormals map to subnormals) and
+  // the sign in bit 14, which adding bit 14 to itself moves to bit 15; F16C converts that exactly.
   static V fp8_scaled(const uint8_t* p) {
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 7);
+    h = _mm_add_epi16(h, _mm_and_si128(h, _mm_set1_epi16(0x4000)));  // sign from bit 14 to bit 15
     return _mm256_cvtph_ps(h);
   }
-  // The W = 8 nibbles of one int32 word, lowest first, as float32 in [0, 15].
-  static V nibbles(const uint32_t* p) {
+  // The W = 8 nibbles of one int32 word, lowest first, as the signed INT4 values (nibble − 8) in float32.
+  static V int4_values(const uint32_t* p) {
     __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(int(p[0])), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    v = _mm256_sub_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)), _mm256_set1_epi32(8));
+    return _mm256_cvtepi32_ps(v);
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
