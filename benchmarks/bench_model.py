@@ -51,6 +51,7 @@ def main():
     model = model.to("cuda")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)

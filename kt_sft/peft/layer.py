@@ -1,7 +1,11 @@
 """KTExperts as a PEFT LoraLayer, so stock `get_peft_model` puts LoRA on every routed expert.
 
 PEFT meets a target module that already is a `LoraLayer` by calling its `update_layer(adapter_name, r, ...)`
-instead of wrapping it (peft 0.18.1 and 0.21 differ in the keyword arguments: all are accepted). The LoRA
+instead of wrapping it (peft 0.18.1 passes the settings as keywords, 0.21 the LoraConfig: both are read).
+
+With peft >= 0.19, `get_peft_model` on a model that already holds a tuner layer (as ours is) keeps every
+existing parameter as trainable as it was, instead of freezing the base model: call `model.requires_grad_(False)`
+first. The experts refuse to train LoRA on top of trainable base weights rather than train them silently. The LoRA
 tensors live in `lora_A.<adapter>.<proj>` / `lora_B.<adapter>.<proj>` (stacked [E,r,in] / [E,out,r]), which
 PEFT trains, saves as `…experts.lora_A.<proj>` and loads back unchanged.
 
@@ -9,6 +13,7 @@ The class name contains "Linear" because LLaMA-Factory's `lora_target: all` sele
 """
 from __future__ import annotations
 
+import torch
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
@@ -33,15 +38,30 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         self.cast_input_dtype_enabled = True
         self.in_features = self.out_features = self.hidden_size
 
-    def update_layer(self, adapter_name, r, lora_alpha, lora_dropout=0.0, init_lora_weights=True, use_rslora=False,
-                     use_dora=False, lora_bias=False, inference_mode=False, **kwargs):
+    def update_layer(self, adapter_name, r, lora_alpha, config=None, **kwargs):
+        # peft 0.18 passes the settings as keywords; newer peft (checked: 0.21) passes the LoraConfig as `config`.
+        def setting(name, default):
+            return getattr(config, name, default) if config is not None else kwargs.get(name, default)
+
+        lora_dropout = setting("lora_dropout", 0.0)
         if lora_dropout:
             raise ValueError(f"lora_dropout={lora_dropout} is not supported on the routed experts yet; set "
                              "lora_dropout: 0 (or target only non-expert modules with dropout).")
-        if use_dora or lora_bias or kwargs.get("use_alora") or kwargs.get("use_qalora"):
+        if setting("use_dora", False) or setting("lora_bias", False) or setting("use_alora", False) or \
+                setting("use_qalora", False):
             raise ValueError("DoRA, aLoRA, QALoRA and lora_bias are not supported on the routed experts; use plain LoRA.")
-        self.add_lora(r, lora_alpha, use_rslora=use_rslora, adapter=adapter_name, init=init_lora_weights)
-        self.set_adapter(self.active_adapters, inference_mode=inference_mode)
+        self.add_lora(r, lora_alpha, use_rslora=setting("use_rslora", False), adapter=adapter_name,
+                      init=setting("init_lora_weights", True))
+        self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        base = [p for p in (self.gate_up_proj, self.down_proj) if isinstance(p, nn.Parameter) and p.requires_grad]
+        if base and torch.is_grad_enabled() and self.active_lora() is not None:
+            raise ValueError("the routed experts' base weights are trainable under a LoRA adapter, so a LoRA step would "
+                             "also train the whole expert stack; peft >= 0.19 leaves base weights as trainable as they "
+                             "were before get_peft_model: call model.requires_grad_(False) before get_peft_model (peft "
+                             "0.18.1, which LLaMA-Factory 0.9.5 pins, freezes them itself).")
+        return super().forward(hidden_states, top_k_index, top_k_weights)
 
     def active_lora(self) -> str | None:
         if self.disable_adapters:

@@ -18,6 +18,7 @@ def lora_model(model_type="qwen3_moe"):
     model = tiny_model(model_type)
     use_cpu_experts(model)
     torch.manual_seed(5)
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
                                             init_lora_weights=False))
 

@@ -17,6 +17,7 @@ def grads(gc_kwargs):
     model = tiny_model("qwen3_moe")
     use_cpu_experts(model)
     torch.manual_seed(3)
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
                                              init_lora_weights=False))
     model.train()

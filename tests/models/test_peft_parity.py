@@ -28,6 +28,8 @@ def kt_and_reference(model_type):
     kt = copy.deepcopy(stock)
     use_cpu_experts(kt)
     torch.manual_seed(1)
+    for m in (kt, stock):  # peft >= 0.19 does not freeze a model that already holds tuner layers
+        m.requires_grad_(False)
     kt = get_peft_model(kt, LoraConfig(**LORA))
     ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": ["o_proj"]}))
     state = kt.state_dict()
@@ -115,3 +117,14 @@ def test_lora_dropout_on_experts_is_refused():
     use_cpu_experts(kt)
     with pytest.raises(ValueError, match="lora_dropout"):
         get_peft_model(kt, LoraConfig(**{**LORA, "lora_dropout": 0.1}))
+
+
+def test_lora_on_trainable_expert_base_weights_is_refused():
+    kt = tiny_model("qwen3_moe")
+    use_cpu_experts(kt)
+    kt = get_peft_model(kt, LoraConfig(**LORA))
+    for m in kt.modules():  # as newer peft leaves them when the model was not frozen first
+        if isinstance(m, KTExpertsLinear):
+            m.gate_up_proj.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"call model.requires_grad_\(False\) before get_peft_model"):
+        kt(**batch(0))

@@ -81,7 +81,8 @@ def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published
     model = load(out).train()
     with pytest.raises(ValueError, match="routed experts are quantized and cannot train"):
         model(IDS, labels=IDS)
-    lora = peft.get_peft_model(load(out), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora = peft.get_peft_model(load(out).requires_grad_(False), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                                target_modules="all-linear"))
     lora.train()
     experts = [m for m in lora.modules() if isinstance(m, KTExpertsLinear)]
     assert experts and all("default" in m.lora_A for m in experts)

@@ -8,9 +8,10 @@ import kt_sft
 from kt_sft.formats import QuantizedExperts, fp8_block, int4_group
 
 
-class _Quantizer:  # the one attribute transformers' FP8 conversion ops read from their quantizer
+class _Quantizer:  # the attributes transformers' FP8 conversion ops read from their quantizer (5.6 to 5.17)
     class quantization_config:
         weight_block_size = (128, 128)
+        scale_fmt = "float"  # float32 block scales, as the DeepSeek-V3 checkpoints store them
 
 
 @pytest.mark.parametrize("cols", [8, 37, 64, 200])
