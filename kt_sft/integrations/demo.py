@@ -1,6 +1,6 @@
 """`kt-sft demo <dir>`: everything the quick start needs, made locally (no downloads).
 
-- `model/`: a tiny random-initialized Qwen3-MoE checkpoint (BF16 safetensors, per-expert keys as published)
+- `model/`: a tiny random-initialized Qwen3-MoE checkpoint (float32 safetensors, per-expert keys as published)
   with a character-level tokenizer and a chat template;
 - `prepared/`: that model prepared for kt_sft (`kt-sft prepare`);
 - `data/`: an identity-style dataset in LLaMA-Factory's alpaca format, with its dataset_info.json;
@@ -52,7 +52,10 @@ def write_model(out: Path, vocab_size: int, seed: int = 0):
     # no next-token probability can exceed ~0.15, so LoRA (which leaves lm_head alone) could never fit the data.
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.15)
-    model.to(torch.bfloat16).save_pretrained(out)
+    # Saved in float32: LLaMA-Factory loads checkpoints in their own dtype (torch_dtype "auto") for training and for
+    # chat, on the GPU or the CPU, so a tiny model that memorized its answer keeps the numerics it was trained
+    # with everywhere. (The engine holds the routed experts in BF16 regardless.)
+    model.save_pretrained(out)
 
 
 def write_data(out: Path):
@@ -87,10 +90,7 @@ def write_demo(root: str | Path) -> Path:
     }
     chat = {"model_name_or_path": str(prepared), "adapter_name_or_path": str(adapter), "trust_remote_code": True,
             "template": "qwen", "finetuning_type": "lora", "infer_backend": "huggingface", "do_sample": False,
-            "max_new_tokens": 64,
-            # Chat in the dtype the adapter was trained in: on a GPU LLaMA-Factory would pick bfloat16, and a
-            # tiny model that memorized its answer in float32 can flip a greedy token there.
-            "infer_dtype": "float32"}
+            "max_new_tokens": 64}
     (root / "train.yaml").write_text(yaml_text(train))
     (root / "chat.yaml").write_text(yaml_text(chat))
     return root

@@ -23,8 +23,11 @@ def _dtype(config, kwargs) -> torch.dtype:
 
 
 def _single_device(device_map):
-    """The one device a device_map names, or None. Experts stay on the CPU whatever it says."""
-    if device_map is None or device_map in ("cpu", "auto"):
+    """The one device a device_map names, or None. Experts stay on the CPU whatever it says; "auto" (what
+    LLaMA-Factory's chat passes) puts the rest on the GPU when there is one."""
+    if device_map == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else None
+    if device_map is None or device_map == "cpu":
         return None
     if isinstance(device_map, dict):
         devices = set(device_map.values())
