@@ -2,7 +2,7 @@
 
 Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_THREADS  engine threads (default: CPUs this process may use)
-  KT_SFT_KERNELS  force a kernel set: avx512_bf16 | avx512 | avx2 | reference (default: best for the CPU)
+  KT_SFT_KERNELS  force a kernel set: avx512 | avx512_bf16 | avx2 | reference (default: avx512, else avx2)
   KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
 """
 from __future__ import annotations
