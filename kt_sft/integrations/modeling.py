@@ -55,7 +55,8 @@ class KTSFTForCausalLM:
         if kwargs.get("attn_implementation"):
             config._attn_implementation = kwargs["attn_implementation"]
         model = load_hybrid_model(settings["source"], config, dtype=_dtype(config, kwargs),
-                                  expert_format=settings.get("expert_format"))
+                                  expert_format=settings.get("expert_format"),
+                                  checkpoint_prefix=settings.get("checkpoint_prefix", ""))
         # The returned model is the stock class: drop the prepared directory's auto_map, or LLaMA-Factory registers
         # the stock class for auto-class saving and save_pretrained tries to copy transformers' own modeling file.
         if hasattr(model.config, "auto_map"):

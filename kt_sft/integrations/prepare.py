@@ -13,8 +13,8 @@ from transformers import CONFIG_MAPPING, AutoConfig
 from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
-from ..loader.quantization import checkpoint_format
-from ..models import architecture_of, canonical_model_type
+from ..loader.quantization import checkpoint_format, quantization_config_of
+from ..models import architecture_of, canonical_model_type, composite_prefix
 from .modeling import SETTINGS_KEY
 
 SHIM = "modeling_kt_sft.py"
@@ -34,24 +34,32 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
     raw = json.loads((source / "config.json").read_text())
     published_type = raw.get("model_type")
-    raw["model_type"] = canonical_model_type(published_type)
-    raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
     # The loader reads quantized checkpoints itself (experts kept quantized, other weights dequantized), so the
     # prepared model is not a quantized model to transformers or LLaMA-Factory.
-    fmt = checkpoint_format(raw.pop("quantization_config", None))
+    fmt = checkpoint_format(quantization_config_of(raw))
+    prefix = composite_prefix(published_type)
+    if prefix is not None:  # the prepared model is the composite's text model
+        if not isinstance(raw.get("text_config"), dict):
+            raise ValueError(f"{source}/config.json declares model_type {published_type!r} but has no text_config; "
+                             "the download is incomplete or not that model.")
+        raw = dict(raw["text_config"])
+    raw.pop("quantization_config", None)
+    raw["model_type"] = canonical_model_type(raw.get("model_type"))
+    raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
     config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
     if config is None:
         raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
                          "configuration).")
     architecture_of(config)
-    check_checkpoint(Checkpoint(source), config, fmt)
+    check_checkpoint(Checkpoint(source, prefix or ""), config, fmt)
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
     out.mkdir(parents=True, exist_ok=True)
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
-                         "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt}
+                         "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
+                         "checkpoint_prefix": prefix or ""}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / SHIM).write_text(SHIM_TEXT)
     for f in source.iterdir():

@@ -13,8 +13,12 @@ from safetensors import safe_open
 
 
 class Checkpoint:
-    def __init__(self, directory: str | Path):
+    """Keys are the checkpoint's own, or, with `prefix` (e.g. "language_model." for Kimi-K2.5, whose text model
+    sits beside a vision tower), only the keys under it, with the prefix removed."""
+
+    def __init__(self, directory: str | Path, prefix: str = ""):
         self.dir = Path(directory)
+        self.prefix = prefix
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
         if index.exists():
@@ -25,6 +29,10 @@ class Checkpoint:
         else:
             raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; point at "
                                     "a Hugging Face model directory with safetensors weights.")
+        if prefix:
+            self.shard_of = {k[len(prefix):]: s for k, s in self.shard_of.items() if k.startswith(prefix)}
+            if not self.shard_of:
+                raise ValueError(f"{self.dir} holds no tensor under {prefix!r}; its config.json and weights disagree.")
         missing = sorted({s for s in self.shard_of.values() if not (self.dir / s).exists()})
         if missing:
             raise FileNotFoundError(f"{self.dir} lacks shard(s) {', '.join(missing[:3])}"
@@ -41,10 +49,10 @@ class Checkpoint:
         return self._handles[shard]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._open(key).get_slice(key).get_shape())
+        return tuple(self._open(key).get_slice(self.prefix + key).get_shape())
 
     def get(self, key: str) -> torch.Tensor:
-        return self._open(key).get_tensor(key)
+        return self._open(key).get_tensor(self.prefix + key)
 
     def _entry(self, key: str):
         """(shard path, absolute byte offset, dtype string, shape) of a tensor, from its shard's header."""
@@ -56,7 +64,7 @@ class Checkpoint:
                 (n,) = struct.unpack("<Q", f.read(8))
                 self._headers[shard] = (8 + n, json.loads(f.read(n)))
         base, header = self._headers[shard]
-        meta = header[key]
+        meta = header[self.prefix + key]
         return shard, base + meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"])
 
     def dtype(self, key: str) -> str:

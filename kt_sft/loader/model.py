@@ -20,7 +20,8 @@ from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
-from .quantization import COMPANION_SUFFIXES, checkpoint_format, read_weight, stored_shapes, weight_keys
+from .quantization import (COMPANION_SUFFIXES, checkpoint_format, quantization_config_of, read_weight,
+                           stored_shapes, weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -39,8 +40,7 @@ def experts_modules(model, arch):
 
 def source_format(source: str | Path) -> str:
     """The expert format a checkpoint directory is published in, from its config.json quantization_config."""
-    raw = json.loads((Path(source) / "config.json").read_text())
-    return checkpoint_format(raw.get("quantization_config"))
+    return checkpoint_format(quantization_config_of(json.loads((Path(source) / "config.json").read_text())))
 
 
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
@@ -127,12 +127,13 @@ class _RefuseTrainingQuantizedBase:
 
 
 def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True,
-                      expert_format: str | None = None):
+                      expert_format: str | None = None, checkpoint_prefix: str = ""):
     """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
     'fp8' or 'int4' (default: the checkpoint's own format). train_base: BF16 expert weights are trainable
-    parameters (full fine-tuning); quantized experts never are."""
+    parameters (full fine-tuning); quantized experts never are. checkpoint_prefix: the weight-key prefix of the
+    text model in a composite checkpoint (Kimi-K2.5: "language_model.")."""
     arch = architecture_of(config)
-    ckpt = Checkpoint(source)
+    ckpt = Checkpoint(source, checkpoint_prefix)
     fmt = source_format(source)
     target = expert_format or fmt
     check_checkpoint(ckpt, config, fmt)

@@ -15,6 +15,11 @@ def _unsupported(what: str) -> ValueError:
     return ValueError(f"this checkpoint's quantization_config has {what}; kt_sft reads {SUPPORTED}.")
 
 
+def quantization_config_of(raw_config: dict) -> dict | None:
+    """A config.json's quantization_config, at the top or (composite checkpoints) in its text_config."""
+    return raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
+
+
 def checkpoint_format(quantization_config: dict | None) -> str:
     """'bf16', 'fp8' or 'int4' from a config.json quantization_config; a clear error for anything else."""
     qc = quantization_config

@@ -41,6 +41,20 @@ def register_alias(model_type: str, same_as: str) -> None:
     _ALIASES[model_type] = same_as
 
 
+# Composite checkpoints (a text model beside e.g. a vision tower) whose text model is served: top-level model_type
+# -> the prefix of the text model's weight keys. Their config.json nests the text model's config as text_config.
+_COMPOSITES: dict[str, str] = {}
+
+
+def register_composite(model_type: str, text_weight_prefix: str) -> None:
+    _COMPOSITES[model_type] = text_weight_prefix
+
+
+def composite_prefix(model_type: str) -> str | None:
+    """The weight-key prefix of the text model when `model_type` is a registered composite, else None."""
+    return _COMPOSITES.get(model_type)
+
+
 def canonical_model_type(model_type: str) -> str:
     """The transformers model_type that serves `model_type` (itself unless it is an alias)."""
     return _ALIASES.get(model_type, model_type)

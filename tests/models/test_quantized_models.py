@@ -117,3 +117,29 @@ def test_missing_scales_are_named(published, tmp_path):
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_inv"):
         main(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path):
+    """Kimi-K2.5 as published: top-level model_type kimi_k25, the Kimi-K2 text config nested as text_config, the
+    text model's keys under `language_model.` beside a vision tower, RAWINT4 routed experts."""
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "k25"
+    quantize_checkpoint(published["bf16"], src, "int4", model_type="kimi_k2")
+    state = {"language_model." + k: v for k, v in load_file(str(src / "model.safetensors")).items()}
+    state["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    qc = text.pop("quantization_config")
+    composite = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+                 "vision_config": {"patch_size": 2}, "quantization_config": qc}
+    (src / "config.json").write_text(json.dumps(composite))
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(src), str(out)]) == 0
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v3" and written["kt_sft"]["source_model_type"] == "kimi_k25"
+    assert written["kt_sft"]["checkpoint_prefix"] == "language_model."
+    model = load(out)
+    assert all(m.expert_format == "int4" for m in model.modules() if isinstance(m, KTExpertsLinear))
+    ref = load(dequantized_copy(published["int4"], tmp_path / "ref", "deepseek_v3"))
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
