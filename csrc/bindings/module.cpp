@@ -35,10 +35,12 @@ View to_view(const py::object& o) {
   return v;
 }
 
-Lora to_lora(int r, float scale, const py::list& mats) {
+Lora to_lora(int r, float scale, const py::list& mats, float dropout = 0.f, uint32_t seed = 0) {
   Lora l;
   l.r = r;
   l.scale = scale;
+  l.dropout.p = dropout;
+  l.dropout.seed = seed;
   if (mats.size() != 6) throw std::invalid_argument("LoRA takes [A_gate, B_gate, A_up, B_up, A_down, B_down].");
   for (int p = 0; p < 3; ++p) {
     l.A[p] = to_view(mats[2 * p]);
@@ -99,21 +101,23 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("format", [](const MoeExperts& m) { return std::string(format_name(m.format())); })
       .def("forward",
            [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
-              float scale, py::list lora, bool save) {
+              float scale, py::list lora, bool save, float dropout, uint32_t seed) {
              View vx = to_view(x), vi = to_view(idx), vw = to_view(w), vo = to_view(out);
-             Lora l = to_lora(r, scale, lora);
+             Lora l = to_lora(r, scale, lora, dropout, seed);
              auto result = std::make_shared<std::shared_ptr<Saved>>();
              auto ticket = Runtime::get().queue().submit(
                  [=] { *result = self->forward(vx, vi, vw, vo, l, save); });
              return Pending{ticket, result, py::make_tuple(x, idx, w, out, lora)};
-           })
+           },
+           py::arg("x"), py::arg("top_k_index"), py::arg("top_k_weights"), py::arg("out"), py::arg("r"),
+           py::arg("scale"), py::arg("lora"), py::arg("save"), py::arg("dropout") = 0.f, py::arg("seed") = 0u)
       .def("backward",
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
               float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
-              py::object d_down) {
+              py::object d_down, float dropout, uint32_t seed) {
              if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
              View vx = to_view(x), vd = to_view(dout);
-             Lora l = to_lora(r, scale, lora);
+             Lora l = to_lora(r, scale, lora, dropout, seed);
              Lora lg = to_lora(r, scale, lora_grads);
              Grads g;
              g.dx = to_view(dx);
@@ -127,7 +131,10 @@ PYBIND11_MODULE(_C, m) {
              auto ticket = Runtime::get().queue().submit([=] { self->backward(*saved, vx, vd, l, g); });
              return Pending{ticket, nullptr,
                             py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved))};
-           })
+           },
+           py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
+           py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
+           py::arg("dropout") = 0.f, py::arg("seed") = 0u)
       .def_property_readonly("E", &MoeExperts::E)
       .def_property_readonly("H", &MoeExperts::H)
       .def_property_readonly("I", &MoeExperts::I);

@@ -51,9 +51,11 @@ void route(const View& idx, const View& w, int E, Saved& sv) {
   sv.slot_token.resize(size_t(T) * K);
   sv.slot_w.resize(size_t(T) * K);
   sv.slot_of.resize(size_t(T) * K);
+  sv.slot_src.resize(size_t(T) * K);
   for (long i = 0; i < long(T) * K; ++i) {
     int s = fill[id[i]]++;
     sv.slot_token[s] = int(i / K);
+    sv.slot_src[s] = int(i);
     sv.slot_w[s] = wt[i];
     sv.slot_of[i] = s;
   }
@@ -131,6 +133,61 @@ GemmNT<T> weight_nt(int M, int N, int K, Rows<float> a, Rows<T> b, float* c, lon
 template <class T>
 GemmNN<T> weight_nn(int M, int N, int K, Rows<float> a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
   return GemmNN<T>{M, N, K, a, 0, false, nullptr, b, b_off, c, ldc, 1.f, accumulate};
+}
+
+// LoRA with dropout (lora_dropout.h) runs on row chunks that fit a thread's `buf` of `buf_floats` floats.
+int chunk_rows(long buf_floats, long cols) { return int(std::max<long>(1, buf_floats / cols)); }
+
+// z[m] = drop_p(a_m) · A_eᵀ for the n rows of expert e: the rank-space input of projection p's LoRA.
+void lora_in(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, Rows<float> a, long in, float* z,
+             float* buf, long buf_floats) {
+  const int n = rows_of(sv, e), r = lora.r;
+  const Rows<float> A{nullptr, lora.A[p].as<float>() + long(e) * r * in, in};
+  if (!lora.dropout.on()) return ks.gemm_nt_f32({n, r, int(in), a, A, z, r, 1.f, false});
+  const int ch = chunk_rows(buf_floats, in);
+  for (int m0 = 0; m0 < n; m0 += ch) {
+    const int mc = std::min(ch, n - m0);
+    for (int m = 0; m < mc; ++m)
+      lora.dropout.apply(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), 0, in, a.at(m0 + m), buf + long(m) * in);
+    ks.gemm_nt_f32({mc, r, int(in), {nullptr, buf, in}, A, z + long(m0) * r, r, 1.f, false});
+  }
+}
+
+// c[m, j] += s · (wz_m · A_e)[col0 + j] ⊙ keep_p: the gradient of projection p's LoRA input, for the n rows of
+// expert e (wz: their rank-space gradients, [n, r]), columns [col0, col0 + cols) of c (row stride ldc).
+void lora_in_grad(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, const float* wz, long in,
+                  long col0, int cols, float* c, long ldc, float* buf, long buf_floats) {
+  const int n = rows_of(sv, e), r = lora.r;
+  const Rows<float> A{nullptr, lora.A[p].as<float>() + long(e) * r * in, in};
+  if (!lora.dropout.on())
+    return ks.gemm_nn_f32({n, cols, r, {nullptr, wz, r}, 0, false, nullptr, A, col0, c, ldc, lora.scale, true});
+  const int ch = chunk_rows(buf_floats, cols);
+  for (int m0 = 0; m0 < n; m0 += ch) {
+    const int mc = std::min(ch, n - m0);
+    ks.gemm_nn_f32({mc, cols, r, {nullptr, wz + long(m0) * r, r}, 0, false, nullptr, A, col0, buf, cols, lora.scale,
+                    false});
+    for (int m = 0; m < mc; ++m)
+      lora.dropout.accumulate(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), col0, cols, buf + long(m) * cols,
+                              c + long(m0 + m) * ldc);
+  }
+}
+
+// dA_e[j, col0 + c] = s Σ_m (kscale_m) wz[m, j] · drop_p(a_m)[col0 + c]: projection p's LoRA A gradient, columns
+// [col0, col0 + cols), over the n rows of expert e.
+void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, const float* wz, const float* kscale,
+             Rows<float> a, long col0, int cols, float* dst, long ldd, float* buf, long buf_floats) {
+  const int n = rows_of(sv, e), r = lora.r;
+  if (!lora.dropout.on())
+    return ks.gemm_nn_f32({r, cols, n, {nullptr, wz, r}, 0, true, kscale, a, col0, dst, ldd, lora.scale, false});
+  const int ch = chunk_rows(buf_floats, cols);
+  for (int m0 = 0; m0 < n; m0 += ch) {
+    const int mc = std::min(ch, n - m0);
+    for (int m = 0; m < mc; ++m)
+      lora.dropout.apply(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), col0, cols, a.at(m0 + m) + col0,
+                         buf + long(m) * cols);
+    ks.gemm_nn_f32({r, cols, mc, {nullptr, wz + long(m0) * r, r}, 0, true, kscale ? kscale + m0 : nullptr,
+                    {nullptr, buf, cols}, 0, dst, ldd, lora.scale, m0 > 0});
+  }
 }
 
 float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
@@ -243,6 +300,8 @@ void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
 }
 
 void MoeExperts::check_lora(const Lora& lora) const {
+  if (!(lora.dropout.p >= 0.f && lora.dropout.p < 1.f))
+    throw std::invalid_argument("LoRA dropout must be in [0, 1), got " + std::to_string(lora.dropout.p) + ".");
   const long in[3] = {H_, H_, I_}, outd[3] = {I_, I_, H_};
   const char* names[3] = {"gate", "up", "down"};
   for (int p = 0; p < 3; ++p) {
@@ -304,16 +363,19 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   float* bt[3] = {BT, BT + long(E_) * r * I, BT + 2L * E_ * r * I};
   const long in[3] = {H, H, I}, outd[3] = {I, I, H};
 
+  const long tile = per_thread_tile(H, I, r);
+  float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
+
   // Rank-space inputs of gate/up, and every B transposed to [r, out] so "out of rank space" products
   // run in axpy form with contiguous rows.
-  rt.parallel_for(E_, [&](long e, int) {
+  rt.parallel_for(E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty() || n == 0) continue;
       transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
-      ks.gemm_nt_f32({n, r, int(H), gathered(xrows, *sv, int(e)), {nullptr, lora.A[p].as<float>() + e * r * in[p], in[p]},
-                      Z[p] + sv->offset[e] * r, r, 1.f, false});
+      lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
+              per_thread + ith * tile, tile);
     }
   });
 
@@ -343,11 +405,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   });
 
   if (Z[DOWN])
-    rt.parallel_for(E_, [&](long e, int) {
-      const int n = rows_of(*sv, int(e));
-      if (n)
-        ks.gemm_nt_f32({n, r, int(I), slot_rows(Hh, *sv, int(e), I), {nullptr, lora.A[DOWN].as<float>() + e * r * I, I},
-                        Z[DOWN] + sv->offset[e] * r, r, 1.f, false});
+    rt.parallel_for(E_, [&](long e, int ith) {
+      if (rows_of(*sv, int(e)))
+        lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
+                per_thread + ith * tile, tile);
     });
 
   items.clear();
@@ -367,7 +428,6 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
                       c, H, s, true});
   });
 
-  float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * H);
   combine(out, Y, H, sv->slot_of, sv->slot_w.data(), T, K, rt, per_thread);
   return save ? sv : nullptr;
 }
@@ -446,7 +506,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
-  rt.parallel_for(long(items.size()), [&](long it, int) {
+  rt.parallel_for(long(items.size()), [&](long it, int ith) {
     const int e = items[it].e, n = rows_of(sv, e);
     const long i0 = long(items[it].block) * BLOCK;
     const int ib = int(std::min<long>(BLOCK, I - i0));
@@ -455,8 +515,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
     if (lora_on[DOWN])
-      ks.gemm_nn_f32({n, ib, r, slot_rows(wz[DOWN], sv, e, r), 0, false, nullptr,
-                      {nullptr, lora.A[DOWN].as<float>() + long(e) * r * I, I}, i0, c, I, s, true});
+      lora_in_grad(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, I, i0, ib, c, I, per_thread + ith * tile, tile);
     for (int m = 0; m < n; ++m) {
       long o = (sv.offset[e] + m) * I + i0;
       ks.silu_mul(ib, G + o, U + o, Hh + o);
@@ -488,7 +547,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({0, e, b});
-  rt.parallel_for(long(items.size()), [&](long it, int) {
+  rt.parallel_for(long(items.size()), [&](long it, int ith) {
     const int e = items[it].e, n = rows_of(sv, e);
     const long h0 = long(items[it].block) * BLOCK;
     const int hb = int(std::min<long>(BLOCK, H - h0));
@@ -499,8 +558,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });
       if (lora_on[p])
-        ks.gemm_nn_f32({n, hb, r, slot_rows(wz[p], sv, e, r), 0, false, nullptr,
-                        {nullptr, lora.A[p].as<float>() + long(e) * r * H, H}, h0, c, H, s, true});
+        lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, H, h0, hb, c, H, per_thread + ith * tile, tile);
     }
   });
   combine(gr.dx, dXs, H, sv.slot_of, nullptr, T, K, rt, per_thread);
@@ -531,10 +589,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const float* w = sv.slot_w.data() + sv.offset[e];
     float* dgu[2] = {dG, dU};
     switch (kind) {
-      case dA_DOWN: {  // dAd[j, i] = s Σ_m w_m zb[m, j] h[m, i]
+      case dA_DOWN: {  // dAd[j, i] = s Σ_m w_m zb[m, j] drop(h)[m, i]
         const int cb = int(std::min<long>(BLOCK, I - c0));
-        ks.gemm_nn_f32({r, cb, n, slot_rows(wz[DOWN], sv, e, r), 0, true, w, slot_rows(Hh, sv, e, I), c0,
-                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, s, false});
+        lora_dA(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, w, slot_rows(Hh, sv, e, I), c0, cb,
+                gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, tmp, tile);
         break;
       }
       case dB_DOWN: {  // dBd[h, j] = s Σ_m w_m zd[m, j] dout[m, h], computed as [j, h] then transposed
@@ -544,10 +602,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r);
         break;
       }
-      case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] x[m, h]
+      case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] drop(x)[m, h]
         const int cb = int(std::min<long>(BLOCK, H - c0));
-        ks.gemm_nn_f32({r, cb, n, slot_rows(wz[p], sv, e, r), 0, true, nullptr, gathered(xrows, sv, e), c0,
-                        gr.dA[p].as<float>() + long(e) * r * H + c0, H, s, false});
+        lora_dA(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, nullptr, gathered(xrows, sv, e), c0, cb,
+                gr.dA[p].as<float>() + long(e) * r * H + c0, H, tmp, tile);
         break;
       }
       case dB_GU: {  // dBp[i, j] = s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed

@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "lora_dropout.h"
 #include "view.h"
 
 namespace kt {
@@ -40,6 +41,7 @@ struct Lora {
   int r = 0;
   float scale = 0.f;
   View A[3], B[3];
+  LoraDropout dropout;  // on the inputs of A (x for gate and up, h for down); training only
 };
 
 // Gradients: base-weight grads (float32 or bfloat16) ACCUMULATE into what they are given, as param.grad
@@ -56,7 +58,7 @@ struct Grads {
 // projections. Nothing here aliases the shared scratch.
 struct Saved {
   int T = 0, K = 0;
-  std::vector<int> offset, slot_token, slot_of;  // [E+1], [N], [T*K]
+  std::vector<int> offset, slot_token, slot_src, slot_of;  // [E+1], [N], [N] (its t·K + k), [T*K]
   std::vector<float> slot_w;
   std::unique_ptr<float[]> g, u, z[3];
   size_t bytes = 0;

@@ -57,6 +57,7 @@ class KTExperts(nn.Module):
         self.lora_alpha: dict[str, float] = {}
         self.scaling: dict[str, float] = {}
         self.use_rslora: dict[str, bool] = {}
+        self.lora_dropout_p: dict[str, float] = {}
         self._active_adapter = "default"
 
     def _init_bf16(self, gate_up_proj, down_proj, train_base):
@@ -105,14 +106,18 @@ class KTExperts(nn.Module):
         return cls(gate_up, torch.stack(list(down)).to(torch.bfloat16), **kwargs)
 
     def add_lora(self, r: int, alpha: float, use_rslora: bool = False, projections=PROJECTIONS,
-                 dtype: torch.dtype = torch.float32, adapter: str = "default", init: bool | str = True) -> None:
-        """LoRA on every expert's chosen projections: A [E,r,in], B [E,out,r].
+                 dtype: torch.dtype = torch.float32, adapter: str = "default", init: bool | str = True,
+                 dropout: float = 0.0) -> None:
+        """LoRA on every expert's chosen projections: A [E,r,in], B [E,out,r]; `dropout` on A's inputs in training
+        mode (each routed copy of a token gets its own mask, as PEFT's per-expert LoRA layers would).
 
         init=True: A Kaiming-uniform, B zeros (PEFT's default: training starts from the base model);
         init="gaussian": A normal(0, 1/r); init=False: B random too (for tests, as PEFT's init_lora_weights=False).
         """
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {r!r}.")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}.")
         unknown = set(projections) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"unknown expert projections {sorted(unknown)}; choose from {list(PROJECTIONS)}.")
@@ -136,6 +141,7 @@ class KTExperts(nn.Module):
             A[p], B[p] = nn.Parameter(a), nn.Parameter(b)
         self.lora_A[adapter], self.lora_B[adapter] = A, B
         self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
+        self.lora_dropout_p[adapter] = float(dropout)
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
 
     def active_lora(self) -> str | None:
@@ -184,15 +190,19 @@ class KTExperts(nn.Module):
         adapter = self.active_lora()
         lora = self.lora_params(adapter)
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
+        # LoRA dropout in training mode, with a seed drawn from torch's RNG: gradient checkpointing restores the
+        # RNG state for its recompute, so the recomputed forward drops the same entries as the first.
+        p = self.lora_dropout_p.get(adapter, 0.0) if adapter and self.training else 0.0
+        dropout = (p, int(torch.randint(0, 2**31, ()).item())) if p > 0 else (0.0, 0)
         trains = torch.is_grad_enabled() and (
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
-            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False)
+            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False, dropout=dropout)
             return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
-        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, r, scale, self.gate_up_proj,
-                                     self.down_proj, *lora)
+        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
+                                     self.gate_up_proj, self.down_proj, *lora)
 
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) and their LoRA live in CPU RAM for good: device and dtype

@@ -12,9 +12,9 @@ from .._ext import view
 from .timing import engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
-# x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down; then the 6 LoRA matrices
-N_FIXED_INPUTS = 8
-GATE_UP_INPUT, DOWN_INPUT = 6, 7
+# x, top_k_index, top_k_weights, module, lora settings, gate_up, down; then the 6 LoRA matrices
+N_FIXED_INPUTS = 7
+GATE_UP_INPUT, DOWN_INPUT = 5, 6
 
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -34,24 +34,27 @@ def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
 
-def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save):
-    """One engine forward on prepared CPU tensors; returns (out, saved-or-None)."""
+def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, dropout=(0.0, 0)):
+    """One engine forward on prepared CPU tensors; returns (out, saved-or-None). dropout: (p, seed) of LoRA
+    dropout (p = 0: none)."""
     out = torch.empty_like(xc)
     with engine_timer("forward"):
         saved = engine.forward(
             view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
-            lora_r, lora_scale, lora_views(lora32), save,
+            lora_r, lora_scale, lora_views(lora32), save, *dropout,
         ).wait()
     return out, saved
 
 
 class ExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, module, lora_r, lora_scale, gate_up, down, *lora_params):
+    def forward(ctx, x, top_k_index, top_k_weights, module, lora, gate_up, down, *lora_params):
+        """lora: (r, scale, (dropout p, seed))."""
         xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
-        out, saved = run_forward(module.engine, xc, idx, w, lora_r, lora_scale, lora32, save=True)
+        r, scale, dropout = lora
+        out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, dropout=dropout)
         ctx.module = module
-        ctx.lora = (lora_r, lora_scale)
+        ctx.lora = lora
         ctx.saved = saved
         ctx.lora32 = lora32
         ctx.lora_dtypes = [None if p is None else p.dtype for p in lora_params]
@@ -77,12 +80,12 @@ class ExpertsFunction(torch.autograd.Function):
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
         with engine_timer("backward"):
+            r, scale, dropout = ctx.lora
             module.engine.backward(
-                ctx.saved, view(xc), view(dout), *ctx.lora, lora_views(ctx.lora32),
-                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down),
+                ctx.saved, view(xc), view(dout), r, scale, lora_views(ctx.lora32),
+                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
             ).wait()
         ctx.saved = None
         dev, dt = ctx.x_meta
         out_lora = [None if g is None else g.to(dtype) for g, dtype in zip(lora_grads, ctx.lora_dtypes)]
-        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, None, None,
-                *out_lora)
+        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, None, *out_lora)

@@ -19,11 +19,37 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class LoraWeights(NamedTuple):
-    """Stacked LoRA of one layer's experts: A[p] [E, r, in_p], B[p] [E, out_p, r]; None where absent."""
+    """Stacked LoRA of one layer's experts: A[p] [E, r, in_p], B[p] [E, out_p, r]; None where absent. With
+    dropout > 0, A sees its input times lora_dropout_keep(seed, ...) (training)."""
 
     A: dict
     B: dict
     scale: float
+    dropout: float = 0.0
+    seed: int = 0
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding uint32 values (products wrap, low 32 bits kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def lora_dropout_keep(seed: int, proj: int, rows: torch.Tensor, cols: int, p: float) -> torch.Tensor:
+    """The engine's LoRA dropout mask (csrc/moe/lora_dropout.h) times 1 / (1 − p), float64 [len(rows), cols]:
+    rows are the routed copies' t·K + k, proj 0/1/2 for gate/up/down."""
+    key = _fmix32(torch.tensor((seed ^ ((proj * 0x9E3779B9) & _M32)) & _M32, dtype=torch.int64))
+    row_key = _fmix32(key ^ rows.to(torch.int64))
+    h = _fmix32(row_key[:, None] ^ torch.arange(cols, dtype=torch.int64)[None, :])
+    u = (h >> 8).to(torch.float64) / 2**24
+    p32 = torch.tensor(p, dtype=torch.float32).item()  # the engine compares against p in float32
+    return (u >= p32).to(torch.float64) / (1 - p32)
 
 
 def lora_scale(r: int, alpha: float, use_rslora: bool = False) -> float:
@@ -47,23 +73,26 @@ def moe_experts_reference(
         if tok.numel() == 0:
             continue
         xe = x[tok]
+        rows = tok * top_k_index.shape[1] + kk  # each routed copy's t·K + k (its dropout stream)
         g = xe @ gate_up[e, :inter].T
         u = xe @ gate_up[e, inter:].T
         if lora is not None:
-            g = g + _lora(lora, "gate", e, xe)
-            u = u + _lora(lora, "up", e, xe)
+            g = g + _lora(lora, "gate", e, xe, rows)
+            u = u + _lora(lora, "up", e, xe, rows)
         h = F.silu(g) * u
         y = h @ down[e].T
         if lora is not None:
-            y = y + _lora(lora, "down", e, h)
+            y = y + _lora(lora, "down", e, h, rows)
         out = out.index_add(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
     return out
 
 
-def _lora(lora: LoraWeights, proj: str, e: int, x: torch.Tensor) -> torch.Tensor:
+def _lora(lora: LoraWeights, proj: str, e: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     A, B = lora.A.get(proj), lora.B.get(proj)
     if A is None:
         return torch.zeros((), dtype=x.dtype)
+    if lora.dropout > 0:
+        x = x * lora_dropout_keep(lora.seed, PROJECTIONS.index(proj), rows, x.shape[1], lora.dropout).to(x.dtype)
     return lora.scale * ((x @ A[e].T) @ B[e].T)
 
 

@@ -22,7 +22,7 @@ from ..nn.experts import KTExperts
 
 class KTExpertsLinear(KTExperts, LoraLayer):
     adapter_layer_names = ("lora_A", "lora_B")
-    other_param_names = ("r", "lora_alpha", "scaling", "use_rslora")
+    other_param_names = ("r", "lora_alpha", "scaling", "use_rslora", "lora_dropout_p")
 
     def __init__(self, gate_up_proj, down_proj=None, **kwargs):
         KTExperts.__init__(self, gate_up_proj, down_proj, **kwargs)
@@ -43,15 +43,11 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         def setting(name, default):
             return getattr(config, name, default) if config is not None else kwargs.get(name, default)
 
-        lora_dropout = setting("lora_dropout", 0.0)
-        if lora_dropout:
-            raise ValueError(f"lora_dropout={lora_dropout} is not supported on the routed experts yet; set "
-                             "lora_dropout: 0 (or target only non-expert modules with dropout).")
         if setting("use_dora", False) or setting("lora_bias", False) or setting("use_alora", False) or \
                 setting("use_qalora", False):
             raise ValueError("DoRA, aLoRA, QALoRA and lora_bias are not supported on the routed experts; use plain LoRA.")
         self.add_lora(r, lora_alpha, use_rslora=setting("use_rslora", False), adapter=adapter_name,
-                      init=setting("init_lora_weights", True))
+                      init=setting("init_lora_weights", True), dropout=setting("lora_dropout", 0.0))
         self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):

@@ -42,7 +42,7 @@ def test_lora_on_published_quantized_checkpoint(bf16_model, fmt, model_type):
     prepared = prepare(quantize_checkpoint(root / "bf16", root / fmt, fmt, model_type=model_type), root / f"{fmt}_kt")
     out = root / f"run_{fmt}"
     cfg = {"model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
-           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0,
+           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.05,
            "dataset": "kt_identity", "dataset_dir": str(root / "data"), "template": "qwen", "cutoff_len": 256,
            "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(out),
            "overwrite_output_dir": True, "logging_steps": 5, "save_steps": 1000, "per_device_train_batch_size": 8,

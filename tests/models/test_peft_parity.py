@@ -112,11 +112,18 @@ def test_unsupported_model_type_is_a_clear_error():
         use_cpu_experts(model)
 
 
-def test_lora_dropout_on_experts_is_refused():
+def test_lora_dropout_reaches_the_experts():
     kt = tiny_model("qwen3_moe")
     use_cpu_experts(kt)
-    with pytest.raises(ValueError, match="lora_dropout"):
-        get_peft_model(kt, LoraConfig(**{**LORA, "lora_dropout": 0.1}))
+    kt = get_peft_model(kt.requires_grad_(False), LoraConfig(**{**LORA, "lora_dropout": 0.1}))
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all(m.lora_dropout_p["default"] == 0.1 for m in experts)
+    ids = batch(0)["input_ids"]
+    with torch.no_grad():
+        kt.train()
+        assert not torch.equal(kt(ids).logits, kt(ids).logits)  # fresh masks each step
+        kt.eval()
+        assert torch.equal(kt(ids).logits, kt(ids).logits)
 
 
 def test_lora_on_trainable_expert_base_weights_is_refused():
