@@ -432,6 +432,15 @@ float dot(long n, const float* a, const float* b) {
   return s;
 }
 
+// A plain loop the compiler vectorizes with each ISA file's flags (32-bit multiplies, shifts, a compare).
+void lora_dropout(uint32_t row_key, long c0, long n, float p, const float* src, float* dst, bool accumulate) {
+  const float scale = 1.f / (1.f - p);
+  if (accumulate)
+    for (long j = 0; j < n; ++j) dst[j] += kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? src[j] * scale : 0.f;
+  else
+    for (long j = 0; j < n; ++j) dst[j] = kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? src[j] * scale : 0.f;
+}
+
 kt::KernelSet make_kernel_set(const char* name) {
   return kt::KernelSet{name,
                        gemm_nt<bf16>,
@@ -449,7 +458,8 @@ kt::KernelSet make_kernel_set(const char* name) {
                        f32_to_bf16,
                        scale,
                        axpy,
-                       dot};
+                       dot,
+                       lora_dropout};
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "../formats/bf16.h"
 #include "../formats/fp8_block.h"
 #include "../formats/int4_group.h"
+#include "../moe/lora_dropout.h"
 
 namespace kt {
 
@@ -98,6 +99,8 @@ struct KernelSet {
   // y += alpha * x
   void (*axpy)(long n, float alpha, const float* x, float* y);
   float (*dot)(long n, const float* a, const float* b);
+  // LoRA dropout of one row (moe/lora_dropout.h): dst[j] (+)= src[j] · keep(row_key, c0 + j) / (1 − p).
+  void (*lora_dropout)(uint32_t row_key, long c0, long n, float p, const float* src, float* dst, bool accumulate);
 };
 
 const KernelSet& kernels_reference();

@@ -138,6 +138,11 @@ GemmNN<T> weight_nn(int M, int N, int K, Rows<float> a, Rows<T> b, long b_off, f
 // LoRA with dropout (lora_dropout.h) runs on row chunks that fit a thread's `buf` of `buf_floats` floats.
 int chunk_rows(long buf_floats, long cols) { return int(std::max<long>(1, buf_floats / cols)); }
 
+// The dropout hash state of row m of expert e (its routed copy t·K + k) in projection p.
+uint32_t dropout_key(const Lora& lora, int p, const Saved& sv, int e, int m) {
+  return dropout_row_key(lora.dropout.seed, p, uint32_t(sv.slot_src[sv.offset[e] + m]));
+}
+
 // z[m] = drop_p(a_m) · A_eᵀ for the n rows of expert e: the rank-space input of projection p's LoRA.
 void lora_in(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, Rows<float> a, long in, float* z,
              float* buf, long buf_floats) {
@@ -148,7 +153,8 @@ void lora_in(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
   for (int m0 = 0; m0 < n; m0 += ch) {
     const int mc = std::min(ch, n - m0);
     for (int m = 0; m < mc; ++m)
-      lora.dropout.apply(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), 0, in, a.at(m0 + m), buf + long(m) * in);
+      ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), 0, in, lora.dropout.p, a.at(m0 + m), buf + long(m) * in,
+                      false);
     ks.gemm_nt_f32({mc, r, int(in), {nullptr, buf, in}, A, z + long(m0) * r, r, 1.f, false});
   }
 }
@@ -167,8 +173,8 @@ void lora_in_grad(const KernelSet& ks, const Lora& lora, int p, const Saved& sv,
     ks.gemm_nn_f32({mc, cols, r, {nullptr, wz + long(m0) * r, r}, 0, false, nullptr, A, col0, buf, cols, lora.scale,
                     false});
     for (int m = 0; m < mc; ++m)
-      lora.dropout.accumulate(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), col0, cols, buf + long(m) * cols,
-                              c + long(m0 + m) * ldc);
+      ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), col0, cols, lora.dropout.p, buf + long(m) * cols,
+                      c + long(m0 + m) * ldc, true);
   }
 }
 
@@ -183,8 +189,8 @@ void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
   for (int m0 = 0; m0 < n; m0 += ch) {
     const int mc = std::min(ch, n - m0);
     for (int m = 0; m < mc; ++m)
-      lora.dropout.apply(p, uint32_t(sv.slot_src[sv.offset[e] + m0 + m]), col0, cols, a.at(m0 + m) + col0,
-                         buf + long(m) * cols);
+      ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), col0, cols, lora.dropout.p, a.at(m0 + m) + col0,
+                      buf + long(m) * cols, false);
     ks.gemm_nn_f32({r, cols, mc, {nullptr, wz + long(m0) * r, r}, 0, true, kscale ? kscale + m0 : nullptr,
                     {nullptr, buf, cols}, 0, dst, ldd, lora.scale, m0 > 0});
   }
