@@ -19,7 +19,7 @@ from torch import nn
 
 from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
-from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_engine
+from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -200,7 +200,7 @@ class KTExperts(nn.Module):
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
             out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False, dropout=dropout)
-            return out.to(device=hidden_states.device, dtype=hidden_states.dtype)
+            return to_caller(out, hidden_states.device, hidden_states.dtype)
         return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
                                      self.gate_up_proj, self.down_proj, *lora)
 

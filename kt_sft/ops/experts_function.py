@@ -26,8 +26,15 @@ def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
 
 def engine_inputs(x, top_k_index, top_k_weights, lora_params):
     """The call's tensors as the engine takes them: x (bf16/f32), int64 ids, float32 weights and LoRA."""
-    lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
-    return to_engine(x), to_engine(top_k_index, torch.int64), to_engine(top_k_weights, torch.float32), lora32
+    with engine_timer("transfer"):
+        lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
+        return to_engine(x), to_engine(top_k_index, torch.int64), to_engine(top_k_weights, torch.float32), lora32
+
+
+def to_caller(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """An engine result moved back to the caller's device and dtype (timed as transfer)."""
+    with engine_timer("transfer"):
+        return t.to(device=device, dtype=dtype)
 
 
 def lora_views(mats):
@@ -61,7 +68,7 @@ class ExpertsFunction(torch.autograd.Function):
         ctx.x_meta = (x.device, x.dtype)
         ctx.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
         ctx.save_for_backward(xc)
-        return out.to(device=x.device, dtype=x.dtype)
+        return to_caller(out, x.device, x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -78,7 +85,8 @@ class ExpertsFunction(torch.autograd.Function):
                       for i, p in enumerate(ctx.lora32)]  # the engine overwrites them
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
-        dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
+        with engine_timer("transfer"):
+            dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
         with engine_timer("backward"):
             r, scale, dropout = ctx.lora
             module.engine.backward(
@@ -88,4 +96,4 @@ class ExpertsFunction(torch.autograd.Function):
         ctx.saved = None
         dev, dt = ctx.x_meta
         out_lora = [None if g is None else g.to(dtype) for g, dtype in zip(lora_grads, ctx.lora_dtypes)]
-        return (dx.to(device=dev, dtype=dt), None, dw.to(device=wdev, dtype=wdt), None, None, None, None, *out_lora)
+        return (to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), None, None, None, None, *out_lora)

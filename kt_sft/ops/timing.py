@@ -1,4 +1,5 @@
-"""Wall time spent inside the CPU engine, accumulated per phase (forward, backward) for step profiles.
+"""Wall time spent inside the CPU engine, accumulated per phase (forward, backward), and in moving tensors to and
+from it (transfer: device copies and dtype casts of inputs, outputs and gradients), for step profiles.
 
 Read with `engine_seconds()`, reset with `reset_engine_seconds()`; a perf_counter pair per call (~0.1 µs).
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-_SECONDS = {"forward": 0.0, "backward": 0.0}
+_SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0}
 
 
 @contextmanager

@@ -5,6 +5,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine
 from kt_sft._ext import _C, view
+from kt_sft.ops.timing import engine_seconds, reset_engine_seconds
 
 SHAPE = Shape("typical", T=64, H=96, I=80, E=8, K=3, r=5)
 
@@ -175,3 +176,15 @@ def test_dropping_a_call_in_flight_is_safe():
     for _ in range(3):  # the handle and every tensor go at once; the call finishes before they are freed
         m.engine.forward(view(x.clone()), view(idx.clone()), view(w.clone()), view(torch.empty_like(x)), 0, 0.0,
                          [None] * 6, False)
+
+
+def test_step_profile_counts_engine_phases_and_transfers():
+    shape = Shape("profile", T=16, H=32, I=16, E=4, K=2)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape)
+    reset_engine_seconds()
+    m(x.requires_grad_(), idx, w).backward(g)
+    spent = engine_seconds()
+    assert set(spent) == {"forward", "backward", "transfer"} and all(v > 0 for v in spent.values()), spent
+    reset_engine_seconds()
+    assert not any(engine_seconds().values())
