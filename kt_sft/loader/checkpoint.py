@@ -71,6 +71,15 @@ class Checkpoint:
         """The safetensors dtype string of a tensor (BF16, F8_E4M3, I32, F32, ...), from its shard's header."""
         return self._entry(key)[2]
 
+    def read_new(self, key: str) -> torch.Tensor:
+        """Tensor `key` read with plain file reads into a new tensor of its own dtype (no memory map)."""
+        _, _, dtype, shape = self._entry(key)
+        if dtype not in _RAW_DTYPES:
+            return self.get(key)
+        out = torch.empty(shape, dtype=_RAW_DTYPES[dtype])
+        self.read_into(key, out)
+        return out
+
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fills `out` (contiguous, CPU) with tensor `key`: file bytes straight into `out` when the dtypes
         match (BF16, FP8 or packed INT4 checkpoints into experts of the same format), else through one
