@@ -432,13 +432,14 @@ float dot(long n, const float* a, const float* b) {
   return s;
 }
 
-// A plain loop the compiler vectorizes with each ISA file's flags (32-bit multiplies, shifts, a compare).
+// A plain loop the compiler vectorizes with each ISA file's flags (32-bit multiplies, shifts, a compare); src is
+// read unconditionally (a multiply by 0 or 1/(1 − p), as torch's dropout does) so no load is conditional.
 void lora_dropout(uint32_t row_key, long c0, long n, float p, const float* src, float* dst, bool accumulate) {
   const float scale = 1.f / (1.f - p);
   if (accumulate)
-    for (long j = 0; j < n; ++j) dst[j] += kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? src[j] * scale : 0.f;
+    for (long j = 0; j < n; ++j) dst[j] += src[j] * (kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? scale : 0.f);
   else
-    for (long j = 0; j < n; ++j) dst[j] = kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? src[j] * scale : 0.f;
+    for (long j = 0; j < n; ++j) dst[j] = src[j] * (kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? scale : 0.f);
 }
 
 kt::KernelSet make_kernel_set(const char* name) {
