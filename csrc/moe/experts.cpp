@@ -17,8 +17,9 @@ constexpr int BLOCK = 64;
 
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
-// Floats of one thread's tile in backward: a weight-grad block (BLOCK rows of H or I) or a LoRA B grad
-// block before its transpose (r rows of BLOCK), and at least one row of H for combine.
+// Floats of one thread's tile: a weight-grad block (BLOCK rows of H or I) or a LoRA B grad block before its
+// transpose (r rows of BLOCK) in backward, at least BLOCK rows of LoRA-dropout input (lora_in and friends),
+// and at least one row of H for combine.
 long per_thread_tile(long H, long I, long r) { return std::max({long(BLOCK) * std::max(H, I), long(BLOCK) * r, H}); }
 
 struct Item {
