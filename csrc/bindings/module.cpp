@@ -80,6 +80,14 @@ struct Pending {
   }
 };
 
+// An engine call: queued for the driver thread (now = false: submit now, wait later), or run on this thread
+// with the GIL released (now = true: for a caller that waits at once; the returned ticket is already done).
+std::shared_ptr<Ticket> start(std::function<void()> job, bool now) {
+  if (!now) return Runtime::get().queue().submit(std::move(job));
+  py::gil_scoped_release nogil;
+  return Runtime::get().queue().run_now(job);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -101,20 +109,20 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("format", [](const MoeExperts& m) { return std::string(format_name(m.format())); })
       .def("forward",
            [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
-              float scale, py::list lora, bool save, float dropout, uint32_t seed) {
+              float scale, py::list lora, bool save, float dropout, uint32_t seed, bool now) {
              View vx = to_view(x), vi = to_view(idx), vw = to_view(w), vo = to_view(out);
              Lora l = to_lora(r, scale, lora, dropout, seed);
              auto result = std::make_shared<std::shared_ptr<Saved>>();
-             auto ticket = Runtime::get().queue().submit(
-                 [=] { *result = self->forward(vx, vi, vw, vo, l, save); });
+             auto ticket = start([=] { *result = self->forward(vx, vi, vw, vo, l, save); }, now);
              return Pending{ticket, result, py::make_tuple(x, idx, w, out, lora)};
            },
            py::arg("x"), py::arg("top_k_index"), py::arg("top_k_weights"), py::arg("out"), py::arg("r"),
-           py::arg("scale"), py::arg("lora"), py::arg("save"), py::arg("dropout") = 0.f, py::arg("seed") = 0u)
+           py::arg("scale"), py::arg("lora"), py::arg("save"), py::arg("dropout") = 0.f, py::arg("seed") = 0u,
+           py::arg("now") = false)
       .def("backward",
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
               float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
-              py::object d_down, float dropout, uint32_t seed) {
+              py::object d_down, float dropout, uint32_t seed, bool now) {
              if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
              View vx = to_view(x), vd = to_view(dout);
              Lora l = to_lora(r, scale, lora, dropout, seed);
@@ -128,13 +136,13 @@ PYBIND11_MODULE(_C, m) {
              }
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
-             auto ticket = Runtime::get().queue().submit([=] { self->backward(*saved, vx, vd, l, g); });
+             auto ticket = start([=] { self->backward(*saved, vx, vd, l, g); }, now);
              return Pending{ticket, nullptr,
                             py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved))};
            },
            py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
            py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
-           py::arg("dropout") = 0.f, py::arg("seed") = 0u)
+           py::arg("dropout") = 0.f, py::arg("seed") = 0u, py::arg("now") = false)
       .def_property_readonly("E", &MoeExperts::E)
       .def_property_readonly("H", &MoeExperts::H)
       .def_property_readonly("I", &MoeExperts::I);

@@ -38,15 +38,38 @@ std::shared_ptr<Ticket> AsyncQueue::submit(std::function<void()> job) {
   return t;
 }
 
+std::shared_ptr<Ticket> AsyncQueue::run_now(const std::function<void()>& job) {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    idle_cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });
+    busy_ = true;
+  }
+  auto t = std::make_shared<Ticket>();
+  try {
+    job();
+  } catch (...) {
+    t->error_ = std::current_exception();
+  }
+  t->done_ = true;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    busy_ = false;
+  }
+  cv_.notify_one();  // jobs submitted meanwhile wait for the driver
+  idle_cv_.notify_all();
+  return t;
+}
+
 void AsyncQueue::loop() {
   for (;;) {
     std::pair<std::function<void()>, std::shared_ptr<Ticket>> item;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      cv_.wait(lk, [&] { return (stop_ && jobs_.empty()) || (!jobs_.empty() && !busy_); });
       if (jobs_.empty()) return;  // stop_ and drained
       item = std::move(jobs_.front());
       jobs_.pop_front();
+      busy_ = true;
     }
     std::exception_ptr err;
     try {
@@ -54,6 +77,11 @@ void AsyncQueue::loop() {
     } catch (...) {
       err = std::current_exception();
     }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
     std::lock_guard<std::mutex> lk(item.second->mu_);
     item.second->error_ = err;
     item.second->done_ = true;

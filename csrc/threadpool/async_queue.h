@@ -31,11 +31,17 @@ class AsyncQueue {
   AsyncQueue();
   ~AsyncQueue();
   std::shared_ptr<Ticket> submit(std::function<void()> job);
+  // Runs `job` on the calling thread once every job submitted before it has finished, with the same
+  // serialization as submitted jobs, and returns its ticket, already done (wait() rethrows its error): a call
+  // that is waited for at once skips the two thread hand-offs (wake the driver, wake the caller) that
+  // submit + wait costs.
+  std::shared_ptr<Ticket> run_now(const std::function<void()>& job);
 
  private:
   void loop();
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_, idle_cv_;
+  bool busy_ = false;  // a job is running, on the driver or on a run_now caller
   std::deque<std::pair<std::function<void()>, std::shared_ptr<Ticket>>> jobs_;
   bool stop_ = false;
   std::thread thread_;

@@ -48,7 +48,7 @@ def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, dropout=(0
     with engine_timer("forward"):
         saved = engine.forward(
             view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
-            lora_r, lora_scale, lora_views(lora32), save, *dropout,
+            lora_r, lora_scale, lora_views(lora32), save, *dropout, now=True,
         ).wait()
     return out, saved
 
@@ -91,7 +91,7 @@ class ExpertsFunction(torch.autograd.Function):
             r, scale, dropout = ctx.lora
             module.engine.backward(
                 ctx.saved, view(xc), view(dout), r, scale, lora_views(ctx.lora32),
-                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
+                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout, now=True,
             ).wait()
         ctx.saved = None
         dev, dt = ctx.x_meta

@@ -35,6 +35,24 @@ def test_async_submission_overlaps_python():
         assert torch.equal(out, m(x, idx, w))
 
 
+def test_calls_run_now_wait_for_queued_calls():
+    # Module calls run on the calling thread (now=True); they must not overlap a queued call, which shares the
+    # engine's scratch: both results stay exact.
+    big = Shape("queued", T=512, H=96, I=64, E=8, K=2)
+    a, b = make_module(big, lora=False, seed=1), make_module(SHAPE, lora=True, seed=2)
+    xa, ia, wa, _ = inputs(big)
+    xb, ib, wb, _ = inputs(SHAPE)
+    with torch.no_grad():
+        want_a, want_b = a(xa, ia, wa), b(xb, ib, wb)
+        out = torch.empty_like(xa)
+        queued = [a.engine.forward(view(xa), view(ia), view(wa), view(out), 0, 0.0, [None] * 6, False)
+                  for _ in range(3)]
+        got_b = b(xb, ib, wb)
+        for q in queued:
+            q.wait()
+    assert torch.equal(out, want_a) and torch.equal(got_b, want_b)
+
+
 def test_capabilities_report_cpu_and_choice():
     caps = kt_sft.capabilities()
     assert caps["kernels"] in caps["runnable_kernels"]
