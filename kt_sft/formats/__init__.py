@@ -36,13 +36,12 @@ class QuantizedExperts:
     def empty(cls, fmt: str, E: int, H: int, I: int) -> "QuantizedExperts":
         """Uninitialized buffers of the format's layout, for loaders to fill."""
         if fmt == "fp8":
-            nb = fp8_block._blocks
             return cls(fmt, torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn),
                        torch.empty(E, H, I, dtype=torch.float8_e4m3fn),
-                       torch.empty(E, 2, nb(I), nb(H), dtype=torch.float32),
-                       torch.empty(E, nb(H), nb(I), dtype=torch.float32))
+                       torch.empty(E, 2, *fp8_block.scale_shape(I, H), dtype=torch.float32),
+                       torch.empty(E, *fp8_block.scale_shape(H, I), dtype=torch.float32))
         if fmt == "int4":
-            w, g = (lambda n: -(-n // 8)), (lambda n: -(-n // int4_group.GROUP))
+            w, g = int4_group.words, int4_group.groups
             return cls(fmt, torch.empty(E, 2 * I, w(H), dtype=torch.int32), torch.empty(E, H, w(I), dtype=torch.int32),
                        torch.empty(E, 2 * I, g(H), dtype=torch.bfloat16), torch.empty(E, H, g(I), dtype=torch.bfloat16))
         raise ValueError(f"unknown expert format {fmt!r}; choose from {sorted(EXPERT_FORMATS)}.")

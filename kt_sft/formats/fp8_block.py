@@ -11,8 +11,9 @@ BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
-def _blocks(n: int) -> int:
-    return -(-n // BLOCK)
+def scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """The block-scale grid of a [rows, cols] weight: one scale per 128×128 block, edge blocks partial."""
+    return -(-rows // BLOCK), -(-cols // BLOCK)
 
 
 def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -31,7 +32,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
     rows, cols = w.shape[-2:]
     lead = w.shape[:-2]
-    nb_r, nb_c = _blocks(rows), _blocks(cols)
+    nb_r, nb_c = scale_shape(rows, cols)
     padded = torch.zeros(*lead, nb_r * BLOCK, nb_c * BLOCK, dtype=torch.float32)
     padded[..., :rows, :cols] = w.to(torch.float32)
     amax = padded.reshape(*lead, nb_r, BLOCK, nb_c, BLOCK).abs().amax(dim=(-3, -1))
@@ -43,7 +44,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> None:
     """Shapes and dtypes agree; scales are finite (a NaN/Inf scale would poison whole blocks)."""
     rows, cols = q.shape[-2:]
-    want = (*q.shape[:-2], _blocks(rows), _blocks(cols))
+    want = (*q.shape[:-2], *scale_shape(rows, cols))
     if q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name} is {q.dtype}; FP8 block weights are float8_e4m3fn.")
     if tuple(scale_inv.shape) != want:

@@ -13,21 +13,31 @@ QMIN, QMAX = -8, 7
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
 
 
+def words(cols: int) -> int:
+    """int32 words holding a row of `cols` values (8 per word, the last one zero-padded)."""
+    return -(-cols // 8)
+
+
+def groups(cols: int) -> int:
+    """Group scales of a row of `cols` values (one per 32, the last group partial)."""
+    return -(-cols // GROUP)
+
+
 def pack(q: torch.Tensor) -> torch.Tensor:
     """int32 words from int8 values in [-8, 7] along the last dim (zero-padded to whole words)."""
     if q.dtype != torch.int8 or q.numel() and (q.min() < QMIN or q.max() > QMAX):
         raise ValueError("INT4 packing takes int8 values in [-8, 7].")
     cols = q.shape[-1]
-    nib = torch.zeros(*q.shape[:-1], -(-cols // 8) * 8, dtype=torch.int64)
+    nib = torch.zeros(*q.shape[:-1], words(cols) * 8, dtype=torch.int64)
     nib[..., :cols] = q.to(torch.int64) + 8
-    words = (nib.reshape(*q.shape[:-1], -1, 8) << _SHIFTS).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    u32 = (nib.reshape(*q.shape[:-1], -1, 8) << _SHIFTS).sum(-1)
+    return torch.where(u32 >= 2**31, u32 - 2**32, u32).to(torch.int32)
 
 
 def unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """int8 values in [-8, 7], [..., cols], from packed words."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    nib = (words.unsqueeze(-1) >> _SHIFTS) & 15
+    u32 = packed.to(torch.int64) & 0xFFFFFFFF
+    nib = (u32.unsqueeze(-1) >> _SHIFTS) & 15
     return (nib.reshape(*packed.shape[:-1], -1)[..., :cols] - 8).to(torch.int8)
 
 
@@ -45,7 +55,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, scale) with the compressed-tensors symmetric rule: scale = max|w| / 7.5 per group (BF16),
     q = round(w / scale) clamped to [-8, 7]. All-zero groups get scale 1 (their q are 0)."""
     cols = w.shape[-1]
-    ng = -(-cols // GROUP)
+    ng = groups(cols)
     padded = torch.zeros(*w.shape[:-1], ng * GROUP, dtype=torch.float32)
     padded[..., :cols] = w.to(torch.float32)
     amax = padded.reshape(*w.shape[:-1], ng, GROUP).abs().amax(-1)
@@ -59,10 +69,10 @@ def check(packed: torch.Tensor, scale: torch.Tensor, cols: int, name: str = "INT
     lead = tuple(packed.shape[:-1])
     if packed.dtype != torch.int32:
         raise ValueError(f"{name} is {packed.dtype}; packed INT4 weights are int32 words.")
-    if packed.shape[-1] != -(-cols // 8):
-        raise ValueError(f"{name} has {packed.shape[-1]} words per row; {cols} columns need {-(-cols // 8)}.")
-    if tuple(scale.shape) != (*lead, -(-cols // GROUP)):
-        raise ValueError(f"{name} has scales of shape {list(scale.shape)}; it needs {[*lead, -(-cols // GROUP)]} "
+    if packed.shape[-1] != words(cols):
+        raise ValueError(f"{name} has {packed.shape[-1]} words per row; {cols} columns need {words(cols)}.")
+    if tuple(scale.shape) != (*lead, groups(cols)):
+        raise ValueError(f"{name} has scales of shape {list(scale.shape)}; it needs {[*lead, groups(cols)]} "
                          "(one per 32 columns).")
     if not torch.isfinite(scale.to(torch.float32)).all():
         raise ValueError(f"{name} has NaN or Inf group scales (weight_scale); the checkpoint is corrupt or was "

@@ -16,7 +16,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from ..formats import QuantizedExperts, fp8_block, int4_group
+from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
@@ -74,13 +74,7 @@ def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
     """One expert weight as values (float32 when stored quantized), read with plain file reads into fresh
     tensors: a memory map would keep every expert page it touched in the process's RSS (the whole routed set,
     when converting between formats at load)."""
-    value_key, *companions = weight_keys(fmt, key)
-    values, *scales = (ckpt.read_new(k) for k in (value_key, *companions[:1]))
-    if fmt == "fp8":
-        return fp8_block.dequantize(values, scales[0])
-    if fmt == "int4":
-        return int4_group.dequantize(values, scales[0], int(ckpt.get(companions[1])[1]))
-    return values
+    return read_weight(ckpt, weight_keys(fmt, key)[0], read=ckpt.read_new)[1]
 
 
 def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str):

@@ -59,9 +59,9 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
     """The shapes of weight_keys(...) for a weight of `shape` [out, in]."""
     out, inp = shape
     if fmt == "fp8":
-        return shape, (-(-out // fp8_block.BLOCK), -(-inp // fp8_block.BLOCK))
+        return shape, fp8_block.scale_shape(out, inp)
     if fmt == "int4":
-        return (out, -(-inp // 8)), (out, -(-inp // int4_group.GROUP)), (2,)
+        return (out, int4_group.words(inp)), (out, int4_group.groups(inp)), (2,)
     return (shape,)
 
 
@@ -69,14 +69,16 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
 COMPANION_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_shape")
 
 
-def read_weight(ckpt, key: str) -> tuple[str, torch.Tensor]:
-    """(module key `<module>.weight`, float32 values) of a non-expert weight stored quantized, or the tensor
-    as stored for everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`)."""
+def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
+    """(module key `<module>.weight`, float32 values) of a weight stored quantized, or the tensor as stored for
+    everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`); `read(key)` reads a
+    tensor (default: ckpt.get)."""
+    read = read or ckpt.get
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
         cols = int(ckpt.get(base + ".weight_shape")[1])
-        return base + ".weight", int4_group.dequantize(ckpt.get(key), ckpt.get(base + ".weight_scale"), cols)
-    t = ckpt.get(key)
+        return base + ".weight", int4_group.dequantize(read(key), read(base + ".weight_scale"), cols)
+    t = read(key)
     if t.dtype == torch.float8_e4m3fn:
-        return key, fp8_block.dequantize(t, ckpt.get(key.removesuffix(".weight") + ".weight_scale_inv"))
+        return key, fp8_block.dequantize(t, read(key.removesuffix(".weight") + ".weight_scale_inv"))
     return key, t
