@@ -67,46 +67,65 @@ inline void widen_row(const kt::Rows<TB>& b, long i, long col0, long len, float*
   to_f32_row(b.at(i) + col0, len, dst);
 }
 
-// FP8: per 128-column block, codes × 2^-8 (Simd::fp8_scaled) times the block's scale × 2^8. Both factors
-// are exact powers of two apart from the one rounding of code × scale, which torch's float32 dequantization
-// makes too, so the decoded weights equal it bit for bit.
-inline void widen_row(const kt::Rows<fp8_block>& b, long i, long col0, long len, float* dst) {
-  constexpr int BS = fp8_block::BLOCK;
+// A cursor reads one quantized weight row segment by segment (an FP8 block or an INT4 group shares one
+// scale): raw(k) is W values at column k without their scale (k a multiple of 8), scale(k) the factor that
+// makes them exact weights, one(k) the exact weight at column k. S is Simd, a template parameter so that
+// raw(), which the scalar set has no vector decode for, is compiled only where it is used.
+template <class S>
+struct Fp8Cursor {
+  static constexpr int SEG = fp8_block::BLOCK;
+  const uint8_t* q;  // the row's codes
+  const float* sc;   // the row's block scales
+  typename S::V raw(long k) const { return S::fp8_scaled(q + k); }
+  float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
+  float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
+};
+
+template <class S>
+struct Int4Cursor {
+  static constexpr int SEG = int4_group::GROUP;
+  const uint32_t* w;  // the row's words
+  const bf16* sc;     // the row's group scales
+  typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
+  float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
+  float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
+};
+
+template <class S>
+Fp8Cursor<S> cursor(const kt::Rows<fp8_block>& b, long i) {
   const long row = b.row0 + i;
-  const uint8_t* q = b.q + row * b.ld;
-  const float* sc = b.scale + (row / BS) * b.scale_ld;
+  return {b.q + row * b.ld, b.scale + (row / fp8_block::BLOCK) * b.scale_ld};
+}
+
+template <class S>
+Int4Cursor<S> cursor(const kt::Rows<int4_group>& b, long i) {
+  const long row = b.row0 + i;
+  return {b.words + row * b.ld, b.scale + row * b.scale_ld};
+}
+
+// Quantized rows decoded segment by segment. FP8: codes × 2^-8 (Simd::fp8_scaled) times the block's scale
+// × 2^8, powers of two apart from the one rounding of code × scale that torch's float32 dequantization makes
+// too; INT4: (nibble − 8) · scale, exact. So the decoded weights equal the reference's bit for bit.
+template <class Cursor>
+inline void widen_quantized(const Cursor& cur, long col0, long len, float* dst) {
   for (long c = col0, end = col0 + len; c < end;) {
-    const long bend = std::min(end, (c / BS + 1) * BS);
-    const float s = sc[c / BS];
-    const V sv = Simd::set1(s * 256.f);
-    for (; c + W <= bend; c += W) Simd::store(dst + (c - col0), Simd::mul(Simd::fp8_scaled(q + c), sv));
-    for (; c < bend; ++c) dst[c - col0] = kt::fp8_e4m3_to_f32(q[c]) * s;
+    const long send = std::min(end, (c / Cursor::SEG + 1) * Cursor::SEG);
+    if constexpr (W >= 8) {
+      if (c % 8 == 0) {  // vector reads start on whole INT4 words
+        const V sv = Simd::set1(cur.scale(c));
+        for (; c + W <= send; c += W) Simd::store(dst + (c - col0), Simd::mul(cur.raw(c), sv));
+      }
+    }
+    for (; c < send; ++c) dst[c - col0] = cur.one(c);
   }
 }
 
-// INT4: per 32-column group, (nibble − 8) · s, exact in float32. Vector loads start on whole words (8 nibbles).
-// (S is Simd, a template parameter only so that the scalar set, which has no int4_values(), compiles the
-// scalar loop.)
-template <class S = Simd>
-inline void widen_row_int4(const kt::Rows<int4_group>& b, long i, long col0, long len, float* dst) {
-  constexpr int G = int4_group::GROUP;
-  const long row = b.row0 + i;
-  const uint32_t* words = b.words + row * b.ld;
-  const bf16* sc = b.scale + row * b.scale_ld;
-  for (long c = col0, end = col0 + len; c < end;) {
-    const long gend = std::min(end, (c / G + 1) * G);
-    const float s = kt::bf16_to_f32(sc[c / G]);
-    if constexpr (S::W >= 8) {
-      const V sv = S::set1(s);
-      if (c % 8 == 0)
-        for (; c + S::W <= gend; c += S::W) S::store(dst + (c - col0), S::mul(S::int4_values(words + c / 8), sv));
-    }
-    for (; c < gend; ++c) dst[c - col0] = float(kt::int4_nibble(words, c) - 8) * s;
-  }
+inline void widen_row(const kt::Rows<fp8_block>& b, long i, long col0, long len, float* dst) {
+  widen_quantized(cursor<Simd>(b, i), col0, len, dst);
 }
 
 inline void widen_row(const kt::Rows<int4_group>& b, long i, long col0, long len, float* dst) {
-  widen_row_int4(b, i, col0, len, dst);
+  widen_quantized(cursor<Simd>(b, i), col0, len, dst);
 }
 
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
@@ -169,43 +188,9 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
   }
 }
 
-// Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where
-// a decoded tile would be used only once. A cursor walks one weight row segment by segment (an FP8 block or
-// an INT4 group shares one scale): products with the unscaled values are summed over the segment, then
-// scaled once, which saves a multiply per vector. S is Simd (a template parameter so the scalar set never
-// compiles this).
-template <class S>
-struct Fp8Cursor {
-  static constexpr int SEG = fp8_block::BLOCK;
-  const uint8_t* q;  // the row's codes
-  const float* sc;   // the row's block scales
-  typename S::V raw(long k) const { return S::fp8_scaled(q + k); }
-  float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
-  float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
-};
-
-template <class S>
-struct Int4Cursor {
-  static constexpr int SEG = int4_group::GROUP;
-  const uint32_t* w;  // the row's words
-  const bf16* sc;     // the row's group scales
-  typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
-  float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
-  float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
-};
-
-template <class S>
-Fp8Cursor<S> cursor(const kt::Rows<fp8_block>& b, long i) {
-  const long row = b.row0 + i;
-  return {b.q + row * b.ld, b.scale + (row / fp8_block::BLOCK) * b.scale_ld};
-}
-
-template <class S>
-Int4Cursor<S> cursor(const kt::Rows<int4_group>& b, long i) {
-  const long row = b.row0 + i;
-  return {b.words + row * b.ld, b.scale + row * b.scale_ld};
-}
-
+// Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where a
+// decoded tile would be used only once: products with a segment's raw values are summed, then scaled once,
+// which saves a multiply per vector.
 template <int MR, int NR, class S, class TB>
 void gemm_nt_fused(const GemmNT<TB>& g) {
   using Cursor = decltype(cursor<S>(g.b, 0));

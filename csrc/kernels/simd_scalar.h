@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "../formats/bf16.h"
-#include "../formats/fp8_block.h"
 
 namespace {
 struct Simd {
@@ -14,7 +13,6 @@ struct Simd {
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
   static V load(const kt::bf16* p) { return kt::bf16_to_f32(*p); }
-  static V fp8_scaled(const uint8_t* p) { return kt::fp8_e4m3_to_f32(*p) * (1.f / 256); }
   static void store(float* p, V v) { *p = v; }
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V add(V a, V b) { return a + b; }
