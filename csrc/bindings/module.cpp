@@ -98,10 +98,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
       .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale) {
              ExpertWeights w{to_view(gu), to_view(down), to_view(gu_scale), to_view(down_scale)};
-             // Construction checks quantized weights on the pool, so it queues behind calls in flight.
+             // Construction checks quantized weights on the pool, so it runs after calls in flight.
              std::shared_ptr<MoeExperts> engine;
-             py::gil_scoped_release nogil;
-             Runtime::get().queue().submit([&] { engine = std::make_shared<MoeExperts>(E, H, I, w); })->wait();
+             start([&] { engine = std::make_shared<MoeExperts>(E, H, I, w); }, true)->wait();
              return engine;
            }),
            py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"),
