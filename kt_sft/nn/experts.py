@@ -5,9 +5,9 @@ device and dtype. The expert weights are CPU tensors in the fused layout (gate_u
 down_proj [E,H,I]) held once: the engine reads them in place, `.to(device)` / `.cuda()` leave them (and the
 expert LoRA) on the CPU, and in full mode the optimizer updates them in place.
 
-Formats: BF16 weights are parameters (trainable in full mode). FP8 block-128 and INT4 group-32 weights
-(a kt_sft.formats.QuantizedExperts given as the first argument) are buffers that stay in their own precision; LoRA trains on top of
-them, and full-parameter training of them is refused.
+Formats: BF16 weights are parameters (trainable in full mode). FP8 block-128 and INT4 group-32 weights (a
+kt_sft.formats.QuantizedExperts given as the first argument) are buffers that stay in their own precision;
+LoRA trains on top of them, and full-parameter training of them is refused.
 """
 from __future__ import annotations
 
