@@ -2,12 +2,14 @@
 
 Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_THREADS  engine threads (default: CPUs this process may use)
-  KT_SFT_KERNELS  force a kernel set: avx512 | avx512_bf16 | avx2 | reference (default: avx512, else avx2)
+  KT_SFT_KERNELS  force a kernel set: amx | avx512 | avx512_bf16 | avx2 | reference (default: amx where the
+                  CPU has it and the OS grants its tile state, else avx512, else avx2)
   KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -37,13 +39,16 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
     return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t)
 
 
-def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None) -> None:
-    """Sets the engine's thread count, kernel set and pinning; unspecified values keep their current setting."""
+def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None,
+              tile_min_rows: int | None = None) -> None:
+    """Sets the engine's thread count, kernel set, pinning and the rows an expert needs in a call to use the
+    tile (AMX) kernels (0: the measured default); unspecified values keep their current setting."""
     cur = _C.capabilities()
     _C.configure(
         cur["threads"] if threads is None else int(threads),
         cur["pinned"] if pin is None else bool(pin),
         (cur["kernels"] or "") if kernels is None else kernels,
+        cur["tile_min_rows"] if tile_min_rows is None else int(tile_min_rows),
     )
 
 
@@ -62,7 +67,16 @@ def _configure_from_env() -> None:
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")
     if threads or kernels or pin:
-        _C.configure(int(threads or 0), pin != "0", kernels or "")
+        _C.configure(int(threads or 0), pin != "0", kernels or "", 0)
 
 
 _configure_from_env()
+
+
+def _warn_if_tiles_refused() -> None:
+    caps = _C.capabilities()
+    if caps["cpu"]["amx_bf16"] and "amx" not in caps["runnable_kernels"]:
+        warnings.warn(f"kt_sft: {caps['tiles']}.", RuntimeWarning)
+
+
+_warn_if_tiles_refused()

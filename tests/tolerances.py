@@ -25,17 +25,19 @@ BF16_IO = 4e-3
 # Base-weight grads accumulated into BF16 param.grad: one rounding per accumulation, as above.
 BF16_GRAD = 4e-3
 
-# With BF16 activations, the avx512_bf16 kernels round the activations entering each forward projection
-# (x, exact already, and h = silu(g)·u) to BF16 and multiply BF16 pairs (vdpbf16ps). One rounding has RMS relative error
-# 2^-9/sqrt(3) = 1.1e-3 and a dot product of such terms keeps about that relative error. Outputs see two
-# roundings in sequence (x, then h): ~1.6e-3; gradients reuse the saved g, u and add their own
-# float32 products, and silu' can amplify an input error up to ~1.1x. 1e-2 leaves a 3-5x margin.
+# With BF16 activations, the avx512_bf16 and amx kernels round the activations entering each projection to
+# BF16 (x and dout, exact already; h = silu(g)·u in the forward, dg and du before dx on amx) and multiply
+# BF16 pairs (vdpbf16ps, or the tile unit). One rounding has RMS relative error 2^-9/sqrt(3) = 1.1e-3 and a
+# dot product of such terms keeps about that relative error. Outputs see two roundings in sequence (x, then
+# h): ~1.6e-3; gradients reuse the saved g, u and add their own products, and silu' can amplify an input
+# error up to ~1.1x. On amx, FP8/INT4 weights are also rounded to BF16 once decoded (weight × scale to the
+# nearest BF16: one more rounding of the same size per product). 1e-2 leaves a 3-5x margin.
 BF16_DOT = 1e-2
 
 
 def for_kernels(kernels: str, bound: float, bf16_activations: bool) -> float:
     """The bound for a kernel set: BF16 activations on paths that round them to BF16 get at least BF16_DOT."""
-    return max(bound, BF16_DOT) if kernels == "avx512_bf16" and bf16_activations else bound
+    return max(bound, BF16_DOT) if kernels in ("avx512_bf16", "amx") and bf16_activations else bound
 
 
 def rel_l2(a, ref) -> float:

@@ -146,9 +146,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("H", &MoeExperts::H)
       .def_property_readonly("I", &MoeExperts::I);
 
-  m.def("configure", [](int threads, bool pin, const std::string& kernels) {
+  m.def("configure", [](int threads, bool pin, const std::string& kernels, int tile_min_rows) {
     py::gil_scoped_release nogil;
-    Runtime::get().configure(threads, pin, kernels);
+    Runtime::get().configure(threads, pin, kernels, tile_min_rows);
   });
   m.def("capabilities", [] {
     CpuFeatures f = cpu_features();
@@ -162,6 +162,11 @@ PYBIND11_MODULE(_C, m) {
     } catch (const std::exception&) {
       d["kernels"] = py::none();
     }
+    const std::string why_not = tiles_status();
+    d["tiles"] = why_not.empty() ? "available (kernel set amx), used for BF16 activations of experts with at least " +
+                                       std::to_string(rt.tile_min_rows()) + " rows in a call"
+                                 : why_not;
+    d["tile_min_rows"] = rt.tile_min_rows();
     d["threads"] = rt.threads();
     d["pinned"] = rt.pool().pinned();
     d["scratch_bytes"] = rt.scratch().bytes();

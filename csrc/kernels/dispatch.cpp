@@ -1,5 +1,8 @@
 #include "dispatch.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <stdexcept>
 
 namespace kt {
@@ -12,16 +15,35 @@ CpuFeatures cpu_features() {
   f.avx512 = f.avx2_fma && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
   f.avx512_bf16 = f.avx512 && __builtin_cpu_supports("avx512bf16");
-  f.amx_bf16 = __builtin_cpu_supports("amx-bf16");
+  f.amx_bf16 = f.avx512_bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16");
   return f;
 }
 
-// In order of preference: the first is the default. avx512 comes before avx512_bf16: on the Xeon (Sapphire
+// Linux hands the tile registers' state (8 KB per thread) only to processes that ask for it; without the
+// grant the first tile instruction kills the process. Asked once; the answer holds for every thread.
+bool tiles_granted() {
+  static const bool granted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return cpu_features().amx_bf16 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+std::string tiles_status() {
+  if (!cpu_features().amx_bf16) return "this CPU has no AMX-BF16 tile unit";
+  if (!tiles_granted())
+    return "the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it): "
+           "running the AVX-512 kernels instead";
+  return "";
+}
+
+// In order of preference: the first is the default. amx is avx512 plus tile products; avx512 comes before avx512_bf16: on the Xeon (Sapphire
 // Rapids class) of BENCHMARKS.md the vdpbf16ps forward did no better than float32 FMAs on widened tiles at
 // layer S and was 1.25x slower at layer Q (BF16 forward 246 vs 196 ms, commit d862711), so it is opt-in.
 std::vector<std::string> runnable_kernel_sets() {
   CpuFeatures f = cpu_features();
   std::vector<std::string> r;
+  if (tiles_granted()) r.push_back("amx");
   if (f.avx512) r.push_back("avx512");
   if (f.avx512_bf16) r.push_back("avx512_bf16");
   if (f.avx2_fma) r.push_back("avx2");
@@ -46,6 +68,7 @@ const KernelSet& select_kernels(const std::string& name) {
     for (auto& s : sets) list += (list.empty() ? "" : ", ") + s;
     throw std::runtime_error("Kernel set '" + want + "' cannot run on this CPU; it can run: " + list + ".");
   }
+  if (want == "amx") return kernels_amx();
   if (want == "avx512_bf16") return kernels_avx512_bf16();
   if (want == "avx512") return kernels_avx512();
   if (want == "avx2") return kernels_avx2();

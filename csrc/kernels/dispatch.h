@@ -12,6 +12,9 @@ struct CpuFeatures {
 };
 
 CpuFeatures cpu_features();
+// Whether the tile kernels ("amx") may run here, and a sentence saying why not (empty when they may).
+bool tiles_granted();
+std::string tiles_status();
 // Kernel sets this CPU can run, best first ("reference" always last).
 std::vector<std::string> runnable_kernel_sets();
 // The best runnable set, or the named one; throws std::runtime_error with the reason when the CPU

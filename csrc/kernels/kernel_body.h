@@ -445,7 +445,8 @@ kt::KernelSet make_kernel_set(const char* name) {
                        scale,
                        axpy,
                        dot,
-                       lora_dropout};
+                       lora_dropout,
+                       nullptr};
 }
 
 }  // namespace

@@ -75,6 +75,53 @@ struct GemmNN {
   bool accumulate;
 };
 
+// Tile (AMX) products for BF16 activations. The activations are rounded to BF16 once per call into one of
+// two layouts, and every weight block of the call loads them from there in place. Both layouts hold
+// tile_rows(M) rows of tile_ld(K) columns (zeros in the padding), so one offset serves either:
+//   nt ("pair-major"): blocks of 16 rows × 32 columns, block (m/16, k/32) at ((m/16)·tile_ld(K)/32 + k/32)·512,
+//      inside it element (m, k) at ((k%32)/2)·32 + (m%16)·2 + k%2: the tile unit's B-operand layout, so the
+//      weights can be the A operand and load straight from their rows (dot form, x·Wᵀ).
+//   nn ("row-major"): element (m, k) at m·tile_ld(K) + k: the A-operand layout (axpy form, dy·W).
+inline long tile_rows(long M) { return (M + 15) / 16 * 16; }
+inline long tile_ld(long K) { return (K + 31) / 32 * 32; }
+
+// C[m, n] (+)= Σ_k A[m, k] · B[n, k], A in the nt layout.
+template <class TB>
+struct TileNT {
+  int M, N, K;
+  const bf16* a;
+  Rows<TB> b;
+  float* c;
+  long ldc;
+  bool accumulate;
+};
+
+// C[m, n] (+)= Σ_k A[m, k] · B[k, b_off + n], A in the nn layout.
+template <class TB>
+struct TileNN {
+  int M, N, K;
+  const bf16* a;
+  Rows<TB> b;
+  long b_off;
+  float* c;
+  long ldc;
+  bool accumulate;
+};
+
+struct TileKernels {
+  // Columns [k0, k0 + klen) of an [M, K] matrix (row m at a.at(m), column k at a.at(m)[k]) rounded to BF16
+  // into dst, which holds the layout's tile_rows(M) × tile_ld(K); rows past M get zeros, and the call
+  // whose columns end at K also zero-fills the columns up to tile_ld(K). k0 is a multiple of 32.
+  void (*pack_nt)(int M, int K, long k0, long klen, Rows<float> a, bf16* dst);
+  void (*pack_nn)(int M, int K, long k0, long klen, Rows<float> a, bf16* dst);
+  void (*nt_bf16)(const TileNT<bf16>&);
+  void (*nt_fp8)(const TileNT<fp8_block>&);
+  void (*nt_int4)(const TileNT<int4_group>&);
+  void (*nn_bf16)(const TileNN<bf16>&);
+  void (*nn_fp8)(const TileNN<fp8_block>&);
+  void (*nn_int4)(const TileNN<int4_group>&);
+};
+
 struct KernelSet {
   const char* name;
   void (*gemm_nt_bf16)(const GemmNT<bf16>&);
@@ -101,11 +148,14 @@ struct KernelSet {
   float (*dot)(long n, const float* a, const float* b);
   // LoRA dropout of one row (moe/lora_dropout.h): dst[j] (+)= src[j] · keep(row_key, c0 + j) / (1 − p).
   void (*lora_dropout)(uint32_t row_key, long c0, long n, float p, const float* src, float* dst, bool accumulate);
+  // Null where the CPU has no tile unit.
+  const TileKernels* tiles;
 };
 
 const KernelSet& kernels_reference();
 const KernelSet& kernels_avx2();
 const KernelSet& kernels_avx512();
 const KernelSet& kernels_avx512_bf16();
+const KernelSet& kernels_amx();
 
 }  // namespace kt

@@ -126,10 +126,49 @@ void run_nn(const KernelSet& ks, const GemmNN<bf16>& g) { ks.gemm_nn_bf16(g); }
 void run_nn(const KernelSet& ks, const GemmNN<fp8_block>& g) { ks.gemm_nn_fp8(g); }
 void run_nn(const KernelSet& ks, const GemmNN<int4_group>& g) { ks.gemm_nn_int4(g); }
 
+void run_tile(const TileKernels& t, const TileNT<bf16>& g) { t.nt_bf16(g); }
+void run_tile(const TileKernels& t, const TileNT<fp8_block>& g) { t.nt_fp8(g); }
+void run_tile(const TileKernels& t, const TileNT<int4_group>& g) { t.nt_int4(g); }
+void run_tile(const TileKernels& t, const TileNN<bf16>& g) { t.nn_bf16(g); }
+void run_tile(const TileKernels& t, const TileNN<fp8_block>& g) { t.nn_fp8(g); }
+void run_tile(const TileKernels& t, const TileNN<int4_group>& g) { t.nn_int4(g); }
+
+// Experts whose rows take the tile kernels in this call (BF16 activations on a set with tiles, and at least
+// Runtime::tile_min_rows rows), and where each one's rows start in the tile layouts of kernels.h: rows of
+// such an expert are padded to whole tiles; the others have none there.
+struct TilePlan {
+  const TileKernels* tk = nullptr;
+  std::vector<long> row0;  // [E + 1]
+  bool on(int e) const { return row0[e + 1] > row0[e]; }
+  long rows() const { return row0.back(); }
+  // Expert e's rows in a tile buffer of `cols` columns (the layouts' tile_ld(cols) per row).
+  template <class T>
+  T* at(T* buf, int e, long cols) const { return buf + row0[e] * tile_ld(cols); }
+};
+
+TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, int min_rows) {
+  TilePlan tp;
+  tp.tk = bf16_act ? ks.tiles : nullptr;
+  tp.row0.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) {
+    const int n = rows_of(sv, e);
+    tp.row0[e + 1] = tp.row0[e] + (tp.tk && n > 0 && n >= min_rows ? tile_rows(n) : 0);
+  }
+  return tp;
+}
+
 // Products against expert weights (alpha 1, no A transpose), typed by the weight rows they read.
 template <class T>
 GemmNT<T> weight_nt(int M, int N, int K, Rows<float> a, Rows<T> b, float* c, long ldc) {
   return GemmNT<T>{M, N, K, a, b, c, ldc, 1.f, false};
+}
+template <class T>
+TileNT<T> tile_nt(int M, int N, int K, const bf16* a, Rows<T> b, float* c, long ldc) {
+  return TileNT<T>{M, N, K, a, b, c, ldc, false};
+}
+template <class T>
+TileNN<T> tile_nn(int M, int N, int K, const bf16* a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
+  return TileNN<T>{M, N, K, a, b, b_off, c, ldc, accumulate};
 }
 template <class T>
 GemmNN<T> weight_nn(int M, int N, int K, Rows<float> a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
@@ -328,7 +367,9 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
                 + N * H              // per-slot outputs (forward y, backward dx)
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
-                + threads * per_thread_tile(H, I, r));
+                + threads * per_thread_tile(H, I, r)
+                // BF16 activations in the tile layouts (kernel set amx): x or dout, h or dg and du
+                + (N + 15 * E) * (tile_ld(H) + 2 * tile_ld(I)) / 2);
 }
 
 std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
@@ -372,11 +413,15 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
+  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.tile_min_rows());
+  bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
+  bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
 
-  // Rank-space inputs of gate/up, and every B transposed to [r, out] so "out of rank space" products
-  // run in axpy form with contiguous rows.
+  // Rank-space inputs of gate/up, every B transposed to [r, out] so "out of rank space" products run in
+  // axpy form with contiguous rows, and x in the tile layout for experts on tiles.
   rt.parallel_for(E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
+    if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty() || n == 0) continue;
       transpose_b(lora, p, e, outd[p], bt[p]);
@@ -399,7 +444,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
       with_rows(e, p, i0, [&](const auto& rows) {
-        run_nt(ks, weight_nt(n, ib, int(H), gathered(xrows, *sv, e), rows, c, I), bf16_act);
+        if (tp.on(e))
+          run_tile(*tp.tk, tile_nt(n, ib, int(H), tp.at(XT, e, H), rows, c, I));
+        else
+          run_nt(ks, weight_nt(n, ib, int(H), gathered(xrows, *sv, e), rows, c, I), bf16_act);
       });
       if (Z[p])
         ks.gemm_nn_f32({n, ib, r, slot_rows(Z[p], *sv, e, r), 0, false, nullptr, {nullptr, bt[p] + e * r * I, I}, i0, c,
@@ -409,6 +457,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       long o = (sv->offset[e] + m) * I + i0;
       ks.silu_mul(ib, G + o, U + o, Hh + o);
     }
+    if (tp.on(e)) tp.tk->pack_nt(n, int(I), i0, ib, slot_rows(Hh, *sv, e, I), tp.at(HT, e, I));
   });
 
   if (Z[DOWN])
@@ -428,7 +477,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     const int hb = int(std::min<long>(BLOCK, H - h0));
     float* c = Y + sv->offset[e] * H + h0;
     with_rows(e, DOWN, h0, [&](const auto& rows) {
-      run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, H), bf16_act);
+      if (tp.on(e))
+        run_tile(*tp.tk, tile_nt(n, hb, int(I), tp.at(HT, e, I), rows, c, H));
+      else
+        run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, H), bf16_act);
     });
     if (Z[DOWN])
       ks.gemm_nn_f32({n, hb, r, slot_rows(Z[DOWN], *sv, e, r), 0, false, nullptr, {nullptr, bt[DOWN] + e * r * H, H}, h0,
@@ -498,9 +550,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
   const bool lora_on[3] = {!lora.A[GATE].empty(), !lora.A[UP].empty(), !lora.A[DOWN].empty()};
+  const TilePlan tp = plan_tiles(sv, E_, ks, x.dtype == DType::bf16, rt.tile_min_rows());
+  bf16* DT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
+  bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
+  bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * tile_ld(I)) : nullptr;
 
   rt.parallel_for(E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
+    if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
     for (int p = 0; p < 3; ++p)
       if (lora_on[p] && n) transpose_b(lora, p, e, outd[p], bt[p]);
     if (lora_on[DOWN] && n)
@@ -519,7 +576,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const int ib = int(std::min<long>(BLOCK, I - i0));
     float* c = P + sv.offset[e] * I + i0;
     with_rows(e, DOWN, 0, [&](const auto& rows) {
-      run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
+      if (tp.on(e))
+        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at(DT, e, H), rows, i0, c, I, false));
+      else
+        run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
     if (lora_on[DOWN])
       lora_in_grad(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, I, i0, ib, c, I, per_thread + ith * tile, tile);
@@ -539,14 +599,17 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
   for (long t = 0; t < long(T) * K; ++t) gr.dw.as<float>()[t] = dws[sv.slot_of[t]];
 
-  if (lora_on[GATE] || lora_on[UP])
+  if (lora_on[GATE] || lora_on[UP] || tp.rows())
     rt.parallel_for(E_, [&](long e, int) {
       const int n = rows_of(sv, int(e));
       const float* dgu[2] = {dG, dU};
-      for (int p = GATE; p <= UP; ++p)
+      bf16* dgu_t[2] = {GT, UT};
+      for (int p = GATE; p <= UP; ++p) {
         if (lora_on[p] && n)
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
+        if (tp.on(int(e))) tp.tk->pack_nn(n, int(I), 0, I, slot_rows(dgu[p], sv, int(e), I), tp.at(dgu_t[p], int(e), I));
+      }
     });
 
   // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.
@@ -560,9 +623,13 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const int hb = int(std::min<long>(BLOCK, H - h0));
     float* c = dXs + sv.offset[e] * H + h0;
     float* dgu[2] = {dG, dU};
+    const bf16* dgu_t[2] = {GT, UT};
     for (int p = GATE; p <= UP; ++p) {
       with_rows(e, p, 0, [&](const auto& rows) {
-        run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
+        if (tp.on(e))
+          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at(dgu_t[p], e, I), rows, h0, c, H, p == UP));
+        else
+          run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });
       if (lora_on[p])
         lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, H, h0, hb, c, H, per_thread + ith * tile, tile);

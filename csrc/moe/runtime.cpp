@@ -40,11 +40,12 @@ const KernelSet& Runtime::kernels() const {
   return *kernels_;
 }
 
-void Runtime::configure(int n_threads, bool pin, const std::string& kernels) {
+void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows) {
   const KernelSet* ks = &select_kernels(kernels);  // throws before anything changes
   // Drain the queue so no call in flight sees the pool change under it.
   queue_->submit([] {})->wait();
   kernels_ = ks;
+  tile_min_rows_ = tile_min_rows > 0 ? tile_min_rows : kTileMinRows;
   if (!pool_ || pool_->size() != (n_threads > 0 ? n_threads : available_cpus()) || pin_ != pin) {
     pool_.reset();
     pool_.reset(new ThreadPool(n_threads, pin));

@@ -18,8 +18,9 @@ namespace kt {
 // multi-hundred-MB buffers cost as much as a small layer's compute).
 class Scratch {
  public:
-  enum Slot { X, DOUT, HH, P, DG, DU, SLOT_ROWS, BT, Z0, Z1, Z2, PER_THREAD, N_SLOTS };
+  enum Slot { X, DOUT, HH, P, DG, DU, SLOT_ROWS, BT, Z0, Z1, Z2, PER_THREAD, TILE0, TILE1, TILE2, N_SLOTS };
   float* get(Slot s, size_t n);
+  bf16* get_bf16(Slot s, size_t n) { return reinterpret_cast<bf16*>(get(s, (n + 1) / 2)); }
   size_t bytes() const;
 
  private:
@@ -27,14 +28,20 @@ class Scratch {
   size_t cap_[N_SLOTS] = {};
 };
 
+// An expert's rows in a call from which the tile kernels beat the AVX-512 ones (with fewer, packing the
+// activations and loading whole tiles cost more than they save; measured in BENCHMARKS.md, "AMX crossover").
+constexpr int kTileMinRows = 16;
+
 class Runtime {
  public:
   static Runtime& get();
-  void configure(int n_threads, bool pin, const std::string& kernels);
+  // tile_min_rows: experts with fewer rows in a call skip the tile kernels (0: the default, kTileMinRows).
+  void configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows = 0);
   ThreadPool& pool() { return *pool_; }
   // Throws the reason (no AVX2) when no kernel set was chosen.
   const KernelSet& kernels() const;
   int threads() const { return pool_->size(); }
+  int tile_min_rows() const { return tile_min_rows_; }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }
 
@@ -48,6 +55,7 @@ class Runtime {
   const KernelSet* kernels_ = nullptr;
   std::string no_kernels_reason_;
   bool pin_ = true;
+  int tile_min_rows_ = kTileMinRows;
   std::unique_ptr<AsyncQueue> queue_;
   Scratch scratch_;
 };

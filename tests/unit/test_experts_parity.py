@@ -6,7 +6,7 @@ import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from tolerances import BF16_GRAD, BF16_IO, FP32_IO, for_kernels, rel_l2
 
-ALL_KERNELS = ["reference", "avx2", "avx512", "avx512_bf16"]
+ALL_KERNELS = ["reference", "avx2", "avx512", "avx512_bf16", "amx"]
 RUNNABLE = kt_sft.capabilities()["runnable_kernels"]
 
 SHAPES = [
@@ -32,7 +32,8 @@ SHAPES = [
 def kernels(request):
     name = request.param
     if name not in RUNNABLE:
-        pytest.skip(f"this CPU cannot run the {name} kernels (it runs {RUNNABLE})")
+        why = f"; tiles: {kt_sft.capabilities()['tiles']}" if name == "amx" else ""
+        pytest.skip(f"this CPU cannot run the {name} kernels (it runs {RUNNABLE}{why})")
     kt_sft.set_kernels(name)
     yield name
     kt_sft.set_kernels(None)
@@ -77,6 +78,27 @@ def test_bf16_activations(kernels):
     got = run_engine(m, x, idx, w, g)
     assert got["y"].dtype == torch.bfloat16 and got["dx"].dtype == torch.bfloat16
     check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.fixture(params=[1, 8], ids=["every_expert_on_tiles", "experts_with_8_rows_on_tiles"])
+def tiles(request):
+    """The amx kernel set with experts of at least `param` rows in a call on the tile kernels."""
+    if "amx" not in RUNNABLE:
+        pytest.skip(f"the tile kernels cannot run here ({kt_sft.capabilities()['tiles']})")
+    kt_sft.configure(kernels="amx", tile_min_rows=request.param)
+    yield request.param
+    kt_sft.configure(kernels="", tile_min_rows=0)
+
+
+# BF16 activations through the tile products: every shape, odd sizes taking the decoded-panel path and
+# multiples of 16/32 the in-place weight loads.
+@pytest.mark.parametrize("shape", SHAPES + [Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2)],
+                         ids=lambda s: s.name)
+def test_bf16_activations_on_tiles(tiles, shape):
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels("amx", BF16_IO, bf16_activations=True), shape)
 
 
 def test_base_grads_accumulate_across_micro_batches(kernels):

@@ -6,7 +6,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import SHAPES as BF16_SHAPES
-from test_experts_parity import check, kernels  # noqa: F401  (the kernel-set fixture)
+from test_experts_parity import check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
 from tolerances import BF16_IO, QUANTIZED_IO, for_kernels
 
 FORMATS = ["fp8", "int4"]
@@ -41,6 +41,15 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     got = run_engine(m, x, idx, w, g)
     assert got["y"].dtype == torch.bfloat16
     check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
+    m = make_module(shape, lora=True, expert_format=fmt)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels("amx", BF16_IO, bf16_activations=True), shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
