@@ -1,5 +1,6 @@
 // The tile-unit products of kernels.h (TileKernels), written once on a `Tiles` policy: amx.cpp passes the
-// AMX instructions. Include after a simd_*.h header and kernel_body.h (widen_row decodes weight rows).
+// AMX instructions. Packing and stores use AVX-512 (BW, BF16), which every CPU with tiles has. Include
+// after simd_avx512.h and kernel_body.h (widen_row decodes weight rows).
 //
 // Tiles: four accumulators hold a 2×2 block of 16×16 float32 results (acc q = block (q/2, q%2)), a0/a1 the
 // A operands of its two block rows (16 rows × 32 BF16), b0/b1 the B operands of its two block columns (16
@@ -25,51 +26,70 @@ constexpr int TC = 32;           // BF16 columns of a tile row (64 bytes)
 constexpr int TBLK = TR * TC;    // BF16 elements of one packed block
 constexpr long TBYTES = TC * 2;  // bytes of a tile row
 
-// Where element (m, k) of the nt layout sits, relative to the start of its matrix.
-inline long nt_index(long m, long k, long kblocks) {
-  return ((m / TR) * kblocks + k / TC) * TBLK + ((k % TC) / 2) * TC + (m % TR) * 2 + k % 2;
+inline __mmask16 first16(long n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// 32 floats from src (the first `n` of them; zeros for the rest) rounded to BF16 (nearest even), as 16
+// pairs of BF16 in one vector.
+inline __m512i bf16_pairs(const float* src, long n) {
+  const __m512 lo = n > 0 ? _mm512_maskz_loadu_ps(first16(n), src) : _mm512_setzero_ps();
+  const __m512 hi = n > 16 ? _mm512_maskz_loadu_ps(first16(n - 16), src + 16) : _mm512_setzero_ps();
+  const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+  return reinterpret_cast<const __m512i&>(v);
+}
+
+// Columns [k0, kend) of rows [0, tile_rows(M)) in 32-column steps: emit(m, k, pairs) with the BF16 pairs of
+// row m, columns [k, k + 32) (zeros past the row's real columns [k0, k0 + klen) and past M).
+template <class Emit>
+void pack_rows(int M, int K, long k0, long klen, const kt::Rows<float>& a, Emit emit) {
+  const long kend = k0 + klen == K ? kt::tile_ld(K) : k0 + klen;
+  for (long m = 0; m < kt::tile_rows(M); ++m)
+    for (long k = k0; k < kend; k += TC)
+      emit(m, k, m < M ? bf16_pairs(a.at(m) + k, k0 + klen - k) : _mm512_setzero_si512());
 }
 
 void pack_nt(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
-  const long ld = kt::tile_ld(K), kend = k0 + klen == K ? ld : k0 + klen;
-  for (long m = 0; m < kt::tile_rows(M); ++m) {
-    const float* src = m < M ? a.at(m) : nullptr;
-    for (long k = k0; k < kend; ++k)
-      dst[nt_index(m, k, ld / TC)] = src && k < k0 + klen ? kt::f32_to_bf16(src[k]) : bf16(0);
-  }
+  const long kblocks = kt::tile_ld(K) / TC;
+  // Pair p of row m goes to pair-row p of its block, column m % 16: a stride of 16 pairs.
+  const __m512i to_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(TR));
+  pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) {
+    bf16* blk = dst + ((m / TR) * kblocks + k / TC) * TBLK + (m % TR) * 2;
+    _mm512_i32scatter_epi32(blk, to_rows, pairs, 4);
+  });
 }
 
 void pack_nn(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
-  const long ld = kt::tile_ld(K), kend = k0 + klen == K ? ld : k0 + klen;
-  for (long m = 0; m < kt::tile_rows(M); ++m) {
-    bf16* row = dst + m * ld;
-    if (m < M) f32_to_bf16(klen, a.at(m) + k0, row + k0);
-    std::fill(row + (m < M ? k0 + klen : k0), row + kend, bf16(0));
-  }
+  const long ld = kt::tile_ld(K);
+  pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) { _mm512_storeu_si512(dst + m * ld + k, pairs); });
 }
 
-// Row i of B, columns [col0, col0 + len), as BF16: copied for BF16 weights, decoded and rounded once for
-// quantized ones (a weight × its block or group scale, in float32, to the nearest BF16).
+// Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
+// copied), for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
+// to the nearest BF16).
 template <class TB>
-void row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst, std::vector<float>& wide) {
+const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst, std::vector<float>& wide) {
   if constexpr (std::is_same_v<TB, bf16>) {
-    std::copy(b.at(i) + col0, b.at(i) + col0 + len, dst);
+    return b.at(i) + col0;
   } else {
     wide.resize(len);
     widen_row(b, i, col0, len, wide.data());
     f32_to_bf16(len, wide.data(), dst);
+    return dst;
   }
 }
 
 // Stores one 16×16 result tile `t` (row-major, as the tile unit writes it) to C at (m0, n0), keeping the
 // mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
 void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate) {
+  const __mmask16 cols = first16(nr);
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(TR));
   for (int i = 0; i < mr; ++i) {
     float* row = c + long(m0 + i) * ldc + n0;
-    for (int j = 0; j < nr; ++j) {
-      const float v = transposed ? t[j * TR + i] : t[i * TR + j];
-      row[j] = accumulate ? row[j] + v : v;
-    }
+    __m512 v = transposed ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, column, t + i, 4)
+                          : _mm512_maskz_loadu_ps(cols, t + i * TR);
+    if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, row));
+    _mm512_mask_storeu_ps(row, cols, v);
   }
 }
 
@@ -122,7 +142,11 @@ void tile_nt(const TileNT<TB>& g) {
   thread_local std::vector<float> wide;
   if (!w) {  // decoded rows, zeros past N and K: tile loads never leave the panel
     panel.assign(kt::tile_rows(g.N) * ld, bf16(0));
-    for (long n = 0; n < g.N; ++n) row_bf16(g.b, n, 0, g.K, panel.data() + n * ld, wide);
+    for (long n = 0; n < g.N; ++n) {
+      bf16* row = panel.data() + n * ld;
+      const bf16* src = row_bf16(g.b, n, 0, g.K, row, wide);
+      if (src != row) std::copy(src, src + g.K, row);
+    }
     w = panel.data();
   }
   const int KC = int(ld / TC);
@@ -143,18 +167,23 @@ void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
   const long ld = kt::tile_ld(g.K), np = kt::tile_rows(g.N);
   const int KC = int(ld / TC);
-  thread_local std::vector<bf16> panel, rows;
+  thread_local std::vector<bf16> panel, decoded;
   thread_local std::vector<float> wide;
   panel.resize(np * ld);
-  rows.assign(2 * np, bf16(0));
+  decoded.resize(2 * np);
+  // Tile row (k % 32) / 2 of block (n / 16, k / 32) interleaves rows k and k + 1 over the block's 16 columns.
+  const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (long k = 0; k < ld; k += 2) {
-    for (int h = 0; h < 2; ++h)
-      if (k + h < g.K) row_bf16(g.b, k + h, g.b_off, g.N, rows.data() + h * np, wide);
-      else std::fill_n(rows.data() + h * np, g.N, bf16(0));
-    for (long n = 0; n < np; ++n) {
-      bf16* d = panel.data() + nt_index(n, k, KC);
-      d[0] = rows[n];
-      d[1] = rows[np + n];
+    const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data(), wide) : nullptr;
+    const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np, wide) : nullptr;
+    for (long n = 0; n < np; n += TR) {
+      const __mmask16 cols = first16(g.N - n);
+      const __m256i lo = r0 && n < g.N ? _mm256_maskz_loadu_epi16(cols, r0 + n) : _mm256_setzero_si256();
+      const __m256i hi = r1 && n < g.N ? _mm256_maskz_loadu_epi16(cols, r1 + n) : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_storeu_si512(panel.data() + ((n / TR) * KC + k / TC) * TBLK + ((k % TC) / 2) * TC,
+                          _mm512_permutexvar_epi16(interleave, both));
     }
   }
   tile_blocks<Tiles>(

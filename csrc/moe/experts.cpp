@@ -236,8 +236,8 @@ void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
   }
 }
 
-float* alloc_saved(Saved& sv, std::unique_ptr<float[]>& p, size_t n) {
-  p.reset(new float[n]);
+float* alloc_saved(Saved& sv, SavedBuffer& p, size_t n) {
+  p = take_saved(n);
   sv.bytes += n * sizeof(float);
   return p.get();
 }
@@ -409,7 +409,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     if (!lora.A[p].empty()) Z[p] = save ? alloc_saved(*sv, sv->z[p], N * r) : sc.get(zslot[p], N * r);
   float* BT = sc.get(Scratch::BT, size_t(E_) * r * (2 * I + H));
   float* bt[3] = {BT, BT + long(E_) * r * I, BT + 2L * E_ * r * I};
-  const long in[3] = {H, H, I}, outd[3] = {I, I, H};
+  const long outd[3] = {I, I, H};
 
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "lora_dropout.h"
+#include "saved_pool.h"
 #include "view.h"
 
 namespace kt {
@@ -60,7 +61,7 @@ struct Saved {
   int T = 0, K = 0;
   std::vector<int> offset, slot_token, slot_src, slot_of;  // [E+1], [N], [N] (its t·K + k), [T*K]
   std::vector<float> slot_w;
-  std::unique_ptr<float[]> g, u, z[3];
+  SavedBuffer g, u, z[3];
   size_t bytes = 0;
 };
 
