@@ -155,6 +155,19 @@ class KTExperts(nn.Module):
             out += [self.lora_A[adapter][p] if has else None, self.lora_B[adapter][p] if has else None]
         return out
 
+    def lora_grad_into(self, param: nn.Parameter) -> torch.Tensor | None:
+        """Where the engine may write a float32 CPU LoRA matrix's grad in place of autograd: a buffer kept per
+        matrix and reused every step, to become param.grad; None when param already has a grad (autograd then
+        adds the returned one to it) or is not such a matrix. Optimizers that set grads to None free nothing
+        here, so each step does not fault in tens of MB of fresh grad pages per layer (~30 ms at Layer Q)."""
+        if param.grad is not None or param.dtype != torch.float32 or param.device.type != "cpu":
+            return None
+        buffers = self.__dict__.setdefault("_lora_grad_buffers", {})
+        buf = buffers.get(id(param))
+        if buf is None or buf.shape != param.shape:
+            buf = buffers[id(param)] = torch.empty_like(param)
+        return buf
+
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
