@@ -115,6 +115,10 @@ def bench_ours(m, x, idx, w, r, reps):
     def bwd():
         state["y"].backward(gout)
 
+    def drop_grads():  # as a trainer's zero_grad(set_to_none=True) does between steps
+        m.zero_grad(set_to_none=True)
+        xg.grad = wg.grad = None
+
     fwd_ms = median_ms(fwd, reps)
     bwd_times = []
     for _ in range(reps + 1):
@@ -122,6 +126,7 @@ def bench_ours(m, x, idx, w, r, reps):
         t0 = time.perf_counter()
         bwd()
         bwd_times.append((time.perf_counter() - t0) * 1e3)
+        drop_grads()
     with torch.no_grad():
         inf_ms = median_ms(lambda: m(x, idx, w), reps)
     return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]), infer=inf_ms)
@@ -150,6 +155,8 @@ def bench_torch(gu, dn, x, idx, w, r, reps):
         t0 = time.perf_counter()
         state["y"].backward(gout)
         bwd_times.append((time.perf_counter() - t0) * 1e3)
+        for t in [xg, wg, *A.values(), *B.values()]:
+            t.grad = None
     return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]))
 
 
