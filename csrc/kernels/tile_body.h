@@ -95,9 +95,12 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 
 // The 2×2 block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
 // block-column j of reduction block kc, with their row strides in bytes; tile (i, j) of the result
-// covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)` stores.
-template <class Tiles, class ATile, class BTile, class Put>
-void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_tile, BTile b_tile, Put put) {
+// covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)` stores. make_b(j, kc)
+// runs before B tile (j, kc) is first loaded (during the first block row), so a B operand packed on the
+// way overlaps its memory reads with the tile products of the previous tiles.
+template <class Tiles, class ATile, class BTile, class MakeB, class Put>
+void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
+                 Put put) {
   alignas(64) float t[TR * TR];
   Tiles::begin();
   for (int i = 0; i < IB; i += 2) {
@@ -106,6 +109,10 @@ void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_t
       const bool j2 = j + 1 < JB;
       Tiles::zero_acc();
       for (int kc = 0; kc < KC; ++kc) {
+        if (i == 0) {
+          make_b(j, kc);
+          if (j2) make_b(j + 1, kc);
+        }
         Tiles::load_a0(a_tile(i, kc), a_stride);
         Tiles::load_b0(b_tile(j, kc), b_stride);
         Tiles::dp00();
@@ -153,15 +160,16 @@ void tile_nt(const TileNT<TB>& g) {
   tile_blocks<Tiles>(
       int(kt::tile_rows(g.N) / TR), int(kt::tile_rows(g.M) / TR), KC, ldw * 2, TBYTES,
       [&](int i, int kc) { return w + long(i) * TR * ldw + kc * TC; },
-      [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; },
+      [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {},
       [&](int i, int j, const float* t) {
         put_tile(t, true, j * TR, std::min(TR, g.M - j * TR), i * TR, std::min(TR, g.N - i * TR), g.c, g.ldc,
                  g.accumulate);
       });
 }
 
-// Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of
-// its transpose), then result tile (i, j) = activation rows i·16.., output columns j·16...
+// Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed tile by tile as the B operand (the nt
+// layout of its transpose) while the first block row computes; result tile (i, j) = activation rows i·16..,
+// output columns j·16...
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
@@ -170,26 +178,35 @@ void tile_nn(const TileNN<TB>& g) {
   thread_local std::vector<bf16> panel, decoded;
   thread_local std::vector<float> wide;
   panel.resize(np * ld);
-  decoded.resize(2 * np);
-  // Tile row (k % 32) / 2 of block (n / 16, k / 32) interleaves rows k and k + 1 over the block's 16 columns.
+  decoded.resize(2 * TR);
+  // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
   const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  for (long k = 0; k < ld; k += 2) {
-    const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data(), wide) : nullptr;
-    const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np, wide) : nullptr;
-    for (long n = 0; n < np; n += TR) {
-      const __mmask16 cols = first16(g.N - n);
-      const __m256i lo = r0 && n < g.N ? _mm256_maskz_loadu_epi16(cols, r0 + n) : _mm256_setzero_si256();
-      const __m256i hi = r1 && n < g.N ? _mm256_maskz_loadu_epi16(cols, r1 + n) : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      _mm512_storeu_si512(panel.data() + ((n / TR) * KC + k / TC) * TBLK + ((k % TC) / 2) * TC,
-                          _mm512_permutexvar_epi16(interleave, both));
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                       18, 2, 17, 1, 16, 0);
+  // The item reads a stripe of N columns from K rows far apart (no hardware prefetch across pages): the
+  // stripe of the next reduction block's rows is requested while this one is packed.
+  auto make_b = [&](int j, int kc) {
+    const long n0 = long(j) * TR, cols = std::min<long>(TR, g.N - n0);
+    const __mmask16 mask = first16(cols);
+    bf16* dst = panel.data() + (long(j) * KC + kc) * TBLK;
+    for (long k = long(kc) * TC; k < long(kc + 1) * TC; k += 2) {
+      if constexpr (std::is_same_v<TB, bf16>)
+        if (j == 0)
+          for (long row = k + TC; row < std::min<long>(k + TC + 2, g.K); ++row)
+            for (long c = 0; c < g.N; c += TC)
+              _mm_prefetch(reinterpret_cast<const char*>(g.b.at(row) + g.b_off + c), _MM_HINT_T0);
+      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off + n0, cols, decoded.data(), wide) : nullptr;
+      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off + n0, cols, decoded.data() + TR, wide) : nullptr;
+      const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0) : _mm256_setzero_si256();
+      const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1) : _mm256_setzero_si256();
+      _mm512_storeu_si512(dst + ((k % TC) / 2) * TC,
+                          _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
     }
-  }
+  };
   tile_blocks<Tiles>(
       int(kt::tile_rows(g.M) / TR), int(np / TR), KC, ld * 2, TBYTES,
       [&](int i, int kc) { return g.a + long(i) * TR * ld + kc * TC; },
-      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; },
+      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b,
       [&](int i, int j, const float* t) {
         put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                  g.accumulate);

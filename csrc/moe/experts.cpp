@@ -413,7 +413,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
-  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.tile_min_rows());
+  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16,
+                                 save ? rt.tile_min_rows() : std::max(1, rt.tile_min_rows() / 4));
   bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
 
@@ -608,7 +609,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         if (lora_on[p] && n)
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
-        if (tp.on(int(e))) tp.tk->pack_nn(n, int(I), 0, I, slot_rows(dgu[p], sv, int(e), I), tp.at(dgu_t[p], int(e), I));
+        if (tp.on(int(e)))
+          tp.tk->pack_nn(n, int(I), 0, I, slot_rows(dgu[p], sv, int(e), I), tp.at(dgu_t[p], int(e), I));
       }
     });
 

@@ -28,8 +28,9 @@ class Scratch {
   size_t cap_[N_SLOTS] = {};
 };
 
-// An expert's rows in a call from which the tile kernels beat the AVX-512 ones (with fewer, packing the
-// activations and loading whole tiles cost more than they save; measured in BENCHMARKS.md, "AMX crossover").
+// An expert's rows in a training call from which the tile kernels beat the AVX-512 ones (with fewer, packing
+// the activations and the backward's weight panels costs more than the tiles save); an inference forward,
+// which packs no weights, switches at a quarter of it. Measured in BENCHMARKS.md, "AMX crossover".
 constexpr int kTileMinRows = 16;
 
 class Runtime {
