@@ -28,10 +28,10 @@ class Scratch {
   size_t cap_[N_SLOTS] = {};
 };
 
-// An expert's rows in a training call from which the tile kernels beat the AVX-512 ones (with fewer, packing
-// the activations and the backward's weight panels costs more than the tiles save); an inference forward,
-// which packs no weights, switches at a quarter of it. Measured in BENCHMARKS.md, "AMX crossover".
-constexpr int kTileMinRows = 16;
+// An expert's rows in a training call from which the tile kernels are used; an inference forward, which packs
+// no weights, switches at a quarter of it. On the GPU machine tiles won from 1 row per expert up (1.1-1.2x at
+// 1-4 rows, 2.4x at 128: BENCHMARKS.md, "AMX crossover"); 4 keeps the margin where the two were within noise.
+constexpr int kTileMinRows = 4;
 
 class Runtime {
  public:
