@@ -67,7 +67,8 @@ def lora_of(m: kt_sft.KTExperts):
 
 
 def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
-    """Output and every gradient from the engine, as a dict of tensors."""
+    """Output and every gradient from the engine, as a dict of tensors: copies, since LoRA grads land in
+    buffers the module reuses on its next backward (KTExperts.lora_grad_into)."""
     for p in m.parameters():
         p.grad = None
     x = x.clone().requires_grad_()
@@ -81,7 +82,7 @@ def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
     if m.gate_up_proj.requires_grad:
         out["d_gate_up"] = m.gate_up_proj.grad
         out["d_down"] = m.down_proj.grad
-    return out
+    return {k: None if v is None else v.clone() for k, v in out.items()}
 
 
 def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
