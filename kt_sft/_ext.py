@@ -5,6 +5,7 @@ Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_KERNELS  force a kernel set: amx | avx512 | avx512_bf16 | avx2 | reference (default: amx where the
                   CPU has it and the OS grants its tile state, else avx512, else avx2)
   KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
+  KT_SFT_PROFILE  N > 0: models loaded through `kt-sft prepare` print a step profile every N training forwards
 """
 from __future__ import annotations
 
@@ -60,6 +61,16 @@ def set_kernels(name: str | None) -> None:
 def capabilities() -> dict:
     """What the CPU has, which kernel sets it can run, which one is in use, threads and scratch size."""
     return _C.capabilities()
+
+
+def profile_every() -> int:
+    """KT_SFT_PROFILE as a count of training forwards between step-profile lines (0: off)."""
+    value = os.environ.get("KT_SFT_PROFILE", "0")
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"KT_SFT_PROFILE={value!r} is not a whole number; set it to N > 0 for a step profile "
+                         "line every N training forwards, or 0 for none.") from None
 
 
 def _configure_from_env() -> None:

@@ -16,8 +16,10 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
+from .._ext import profile_every
 from ..formats import QuantizedExperts
 from ..models import architecture_of
+from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
 from .quantization import (COMPANION_SUFFIXES, checkpoint_format, quantization_config_of, read_weight,
@@ -176,4 +178,5 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
                          "it does not hold a complete model.")
     if target != "bf16":
         _RefuseTrainingQuantizedBase(model)
+    attach_step_profile(model, profile_every())
     return model.eval()

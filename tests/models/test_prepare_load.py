@@ -107,3 +107,28 @@ def test_kimi_k2_checkpoint_is_served_as_deepseek_v3(saved, tmp_path):
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_step_profile_reports_where_training_steps_go(saved, tmp_path, monkeypatch, capsys):
+    _, src = saved("qwen3_moe")
+    out = tmp_path / "prepared"
+    assert main(["prepare", str(src), str(out)]) == 0
+    monkeypatch.setenv("KT_SFT_PROFILE", "2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)  # evaluation forwards are not steps
+    model.train()
+    for _ in range(5):
+        model(input_ids=ids, labels=ids).loss.backward()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kt_sft step")]
+    assert [line.split(":")[0] for line in lines] == ["kt_sft step 2", "kt_sft step 4"]
+    assert "CPU experts forward" in lines[0] and "engine idle" in lines[0]
+
+
+def test_bad_step_profile_setting_is_named(monkeypatch):
+    from kt_sft._ext import profile_every
+
+    monkeypatch.setenv("KT_SFT_PROFILE", "often")
+    with pytest.raises(ValueError, match="KT_SFT_PROFILE"):
+        profile_every()
