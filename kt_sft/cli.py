@@ -23,6 +23,7 @@ def doctor(_args) -> int:
     caps = capabilities()
     print(f"CPU features     : {', '.join(k for k, v in caps['cpu'].items() if v) or 'none of AVX2/AVX-512/AMX'}")
     print(f"kernel sets      : {', '.join(caps['runnable_kernels'])} (in use: {caps['kernels']})")
+    print(f"AMX tiles        : {caps['tiles']}")
     print(f"engine threads   : {caps['threads']} (pinned: {caps['pinned']})")
     print(f"memory           : {_mem_gb():.1f} GiB")
     print(f"GPU              : {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
