@@ -33,8 +33,9 @@ def main():
             kt_sft.configure(kernels=ks, tile_min_rows=min_rows)
             got[ks] = bench_ours(kt_sft.KTExperts(gu, dn), x, idx, w, r, args.reps)
         a, b = got["amx"], got["avx512"]
+        step_a, step_b = a["fwd"] + a["bwd"], b["fwd"] + b["bwd"]
         print(f"{T:6d} {T * K / E:11.1f} {a['infer']:10.2f} {b['infer']:8.2f} {b['infer'] / a['infer']:6.2f} "
-              f"{a['fwd'] + a['bwd']:12.1f} {b['fwd'] + b['bwd']:8.1f} {(b['fwd'] + b['bwd']) / (a['fwd'] + a['bwd']):6.2f}")
+              f"{step_a:12.1f} {step_b:8.1f} {step_b / step_a:6.2f}")
     kt_sft.configure(kernels="", tile_min_rows=0)
 
 

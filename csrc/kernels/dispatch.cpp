@@ -37,9 +37,10 @@ std::string tiles_status() {
   return "";
 }
 
-// In order of preference: the first is the default. amx is avx512 plus tile products; avx512 comes before avx512_bf16: on the Xeon (Sapphire
-// Rapids class) of BENCHMARKS.md the vdpbf16ps forward did no better than float32 FMAs on widened tiles at
-// layer S and was 1.25x slower at layer Q (BF16 forward 246 vs 196 ms, commit d862711), so it is opt-in.
+// In order of preference: the first is the default. amx is avx512 plus tile products. avx512 comes before
+// avx512_bf16: on the Xeon (Sapphire Rapids class) of BENCHMARKS.md the vdpbf16ps forward did no better than
+// float32 FMAs on widened tiles at layer S and was 1.25x slower at layer Q (BF16 forward 246 vs 196 ms, commit
+// d862711), so it is opt-in.
 std::vector<std::string> runnable_kernel_sets() {
   CpuFeatures f = cpu_features();
   std::vector<std::string> r;

@@ -28,6 +28,12 @@ constexpr long TBYTES = TC * 2;  // bytes of a tile row
 
 inline __mmask16 first16(long n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
+// Lane i holds 16·i: the offsets, in 32-bit elements, of the 16 rows (or 16 columns) of a 16×16 tile.
+inline __m512i tile_lane_offsets() {
+  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                            _mm512_set1_epi32(TR));
+}
+
 // 32 floats from src (the first `n` of them; zeros for the rest) rounded to BF16 (nearest even), as 16
 // pairs of BF16 in one vector.
 inline __m512i bf16_pairs(const float* src, long n) {
@@ -50,8 +56,7 @@ void pack_rows(int M, int K, long k0, long klen, const kt::Rows<float>& a, Emit 
 void pack_nt(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
   const long kblocks = kt::tile_ld(K) / TC;
   // Pair p of row m goes to pair-row p of its block, column m % 16: a stride of 16 pairs.
-  const __m512i to_rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(TR));
+  const __m512i to_rows = tile_lane_offsets();
   pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) {
     bf16* blk = dst + ((m / TR) * kblocks + k / TC) * TBLK + (m % TR) * 2;
     _mm512_i32scatter_epi32(blk, to_rows, pairs, 4);
@@ -82,8 +87,7 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
 // mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
 void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate) {
   const __mmask16 cols = first16(nr);
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(TR));
+  const __m512i column = tile_lane_offsets();
   for (int i = 0; i < mr; ++i) {
     float* row = c + long(m0 + i) * ldc + n0;
     __m512 v = transposed ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, column, t + i, 4)

@@ -2,8 +2,9 @@
 
 Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads are written straight into
 `param.grad` when it is None and the matrix is float32 on the CPU (a buffer the module keeps and reuses:
-KTExperts.lora_grad_into), else returned to autograd in the parameters' dtype; base-weight grads (full mode) are accumulated by the engine straight into
-`param.grad` (created as zeros when missing), so a multi-GB expert stack is never materialized twice.
+KTExperts.lora_grad_into), else returned to autograd in the parameters' dtype; base-weight grads (full mode)
+are accumulated by the engine straight into `param.grad` (created as zeros when missing), so a multi-GB expert
+stack is never materialized twice.
 """
 from __future__ import annotations
 
@@ -66,7 +67,6 @@ class ExpertsFunction(torch.autograd.Function):
         ctx.saved = saved
         ctx.lora32 = lora32
         ctx.lora_params = lora_params
-        ctx.lora_dtypes = [None if p is None else p.dtype for p in lora_params]
         ctx.x_meta = (x.device, x.dtype)
         ctx.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
         ctx.save_for_backward(xc)
@@ -83,12 +83,14 @@ class ExpertsFunction(torch.autograd.Function):
         wdev, wdt, wshape = ctx.w_meta
         dw = torch.empty(wshape, dtype=torch.float32)
         need = ctx.needs_input_grad
-        # The engine overwrites them: into param.grad straight where it may, else into new tensors for autograd.
-        direct = [p is not None and need[N_FIXED_INPUTS + i] and module.lora_grad_into(p) is not None
-                  for i, p in enumerate(ctx.lora_params)]
-        lora_grads = [module.lora_grad_into(p) if d else torch.empty_like(p32)
-                      if p is not None and need[N_FIXED_INPUTS + i] else None
-                      for i, (p, p32, d) in enumerate(zip(ctx.lora_params, ctx.lora32, direct))]
+        # The engine overwrites them: into param.grad straight where it may (direct), else into new tensors for
+        # autograd.
+        lora_grads, direct = [], []
+        for i, (p, p32) in enumerate(zip(ctx.lora_params, ctx.lora32)):
+            wanted = p is not None and need[N_FIXED_INPUTS + i]
+            buf = module.lora_grad_into(p) if wanted else None
+            direct.append(buf is not None)
+            lora_grads.append(buf if buf is not None else torch.empty_like(p32) if wanted else None)
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         with engine_timer("transfer"):
@@ -104,5 +106,5 @@ class ExpertsFunction(torch.autograd.Function):
         for p, g, d in zip(ctx.lora_params, lora_grads, direct):
             if d:
                 p.grad = g
-        out_lora = [None if g is None or d else g.to(dtype) for g, d, dtype in zip(lora_grads, direct, ctx.lora_dtypes)]
+        out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(ctx.lora_params, lora_grads, direct)]
         return (to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), None, None, None, None, *out_lora)
