@@ -212,7 +212,8 @@ class KTExperts(nn.Module):
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
-            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False, dropout=dropout)
+            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False, device=hidden_states.device,
+                                 dropout=dropout)
             return to_caller(out, hidden_states.device, hidden_states.dtype)
         return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
                                      self.gate_up_proj, self.down_proj, *lora)

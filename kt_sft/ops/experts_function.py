@@ -20,10 +20,26 @@ GATE_UP_INPUT, DOWN_INPUT = 5, 6
 
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """t on the CPU, contiguous, in dtype (or its own when the engine takes it, else float32)."""
+    """t on the CPU, contiguous, in dtype (or its own when the engine takes it, else float32). From a GPU: cast
+    there, copied into pinned memory (about twice the bandwidth of a pageable copy), after waiting for the
+    stream that produces t (timed as "gpu": GPU compute the engine waited for, not transfer)."""
     if dtype is None:
         dtype = t.dtype if t.dtype in _ENGINE_DTYPES else torch.float32
-    return t.detach().to(device="cpu", dtype=dtype).contiguous()
+    if t.device.type != "cuda":
+        return t.detach().to(device="cpu", dtype=dtype).contiguous()
+    src = t.detach().to(dtype)
+    with engine_timer("gpu"):
+        torch.cuda.current_stream(t.device).synchronize()
+    out = torch.empty(src.shape, dtype=dtype, pin_memory=True)
+    out.copy_(src, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return out
+
+
+def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A CPU tensor for an engine result bound for device: pinned when that is a GPU, so to_caller's copy is
+    asynchronous (torch's pinned allocator does not hand the block out again before that copy is done)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def engine_inputs(x, top_k_index, top_k_weights, lora_params):
@@ -34,19 +50,20 @@ def engine_inputs(x, top_k_index, top_k_weights, lora_params):
 
 
 def to_caller(t: torch.Tensor, device, dtype) -> torch.Tensor:
-    """An engine result moved back to the caller's device and dtype (timed as transfer)."""
+    """An engine result (from host_empty) moved back to the caller's device and dtype (timed as transfer); the
+    copy to a GPU is queued on its current stream, so later GPU work orders after it without a wait here."""
     with engine_timer("transfer"):
-        return t.to(device=device, dtype=dtype)
+        return t.to(device=device, non_blocking=True).to(dtype)
 
 
 def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
 
-def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, dropout=(0.0, 0)):
-    """One engine forward on prepared CPU tensors; returns (out, saved-or-None). dropout: (p, seed) of LoRA
-    dropout (p = 0: none)."""
-    out = torch.empty_like(xc)
+def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0)):
+    """One engine forward on prepared CPU tensors, its output bound for device; returns (out, saved-or-None).
+    dropout: (p, seed) of LoRA dropout (p = 0: none)."""
+    out = host_empty(xc.shape, xc.dtype, device)
     with engine_timer("forward"):
         saved = engine.forward(
             view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
@@ -61,7 +78,8 @@ class ExpertsFunction(torch.autograd.Function):
         """lora: (r, scale, (dropout p, seed))."""
         xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
         r, scale, dropout = lora
-        out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, dropout=dropout)
+        out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, device=x.device,
+                                 dropout=dropout)
         ctx.module = module
         ctx.lora = lora
         ctx.saved = saved
@@ -79,9 +97,10 @@ class ExpertsFunction(torch.autograd.Function):
         if ctx.saved is None:
             raise RuntimeError("KTExperts backward ran twice over one forward; run the forward again instead of "
                                "retain_graph=True.")
-        dx = torch.empty_like(xc)
+        dev, dt = ctx.x_meta
         wdev, wdt, wshape = ctx.w_meta
-        dw = torch.empty(wshape, dtype=torch.float32)
+        dx = host_empty(xc.shape, xc.dtype, dev)
+        dw = host_empty(wshape, torch.float32, wdev)
         need = ctx.needs_input_grad
         # The engine overwrites them: into param.grad straight where it may (direct), else into new tensors for
         # autograd.
@@ -102,7 +121,6 @@ class ExpertsFunction(torch.autograd.Function):
                 view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout, now=True,
             ).wait()
         ctx.saved = None
-        dev, dt = ctx.x_meta
         for p, g, d in zip(ctx.lora_params, lora_grads, direct):
             if d:
                 p.grad = g

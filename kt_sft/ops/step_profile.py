@@ -2,21 +2,32 @@
 through `kt-sft prepare` prints every N training forwards one line splitting the wall time since the previous
 training forward began (one micro-batch: forward, backward and, at the end of an accumulation window, the
 optimizer step) into the CPU experts' forward (checkpoint recomputes included) and backward, the transfers to
-and from them, and the rest, during which the CPU engine is idle (GPU compute, optimizer, Python, data).
-The engine and the GPU run in turn, so the rest is what overlapping them could hide.
+and from them, the wait for the GPU work that produces their inputs, and the rest, during which neither the
+engine nor a wait for the GPU runs (optimizer, Python, data, GPU work nobody waited for). The engine and the
+GPU run in turn, so the GPU wait is what overlapping them could hide.
 """
 from __future__ import annotations
 
 import sys
 import time
 
+import torch
 from torch import nn
 
 from .timing import engine_seconds, reset_engine_seconds
 
 
+def host_rss_gib(key: str = "VmRSS") -> float:
+    """The process's resident memory (VmHWM: its peak) in GiB (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 2**20
+    except (OSError, StopIteration):
+        return float("nan")
+
+
 class StepProfile:
-    """A forward pre-hook on the top-level model: each training forward closes the previous cycle."""
+    """A forward pre-hook on the model's decoder stack: each training forward closes the previous cycle."""
 
     def __init__(self, every: int, out=None):
         self.every = every
@@ -37,16 +48,21 @@ class StepProfile:
 
     def report(self, wall: float, engine: dict) -> None:
         ms = {k: v * 1e3 for k, v in engine.items()}
-        rest = wall * 1e3 - ms["forward"] - ms["backward"] - ms["transfer"]
+        rest = wall * 1e3 - sum(ms.values())
+        gpu = f"GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, " if torch.cuda.is_initialized() else ""
         print(f"kt_sft step {self.cycles}: {wall * 1e3:.0f} ms = CPU experts forward {ms['forward']:.0f} + backward "
-              f"{ms['backward']:.0f} + transfers {ms['transfer']:.0f} + engine idle {rest:.0f} "
-              f"(GPU compute, optimizer, Python, data)", file=self.out or sys.stderr, flush=True)
+              f"{ms['backward']:.0f} + transfers {ms['transfer']:.0f} + GPU wait {ms['gpu']:.0f} + rest {rest:.0f} "
+              f"(optimizer, Python, data); {gpu}host RSS {host_rss_gib():.1f} GiB", file=self.out or sys.stderr,
+              flush=True)
 
 
 def attach_step_profile(model: nn.Module, every: int, out=None) -> StepProfile | None:
-    """Reports every `every` training forwards of model (0: none)."""
+    """Reports every `every` training forwards of model (0: none). The hook sits on the decoder stack that the
+    causal-LM model calls as a module: under LLaMA-Factory the top-level model's `forward` is called directly
+    (PEFT's LoraModel does), which runs no hooks on it."""
     if every <= 0:
         return None
     profile = StepProfile(every, out)
-    model.register_forward_pre_hook(profile, with_kwargs=True)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder.register_forward_pre_hook(profile, with_kwargs=True)
     return profile

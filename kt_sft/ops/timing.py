@@ -1,5 +1,7 @@
-"""Wall time spent inside the CPU engine, accumulated per phase (forward, backward), and in moving tensors to and
-from it (transfer: device copies and dtype casts of inputs, outputs and gradients), for step profiles.
+"""Wall time spent inside the CPU engine, accumulated per phase (forward, backward), in moving tensors to and
+from it (transfer: device copies and dtype casts of inputs, outputs and gradients), and waiting for the GPU
+work that produces its inputs (gpu), for step profiles. Phases are exclusive: a timer nested in another
+(the GPU wait inside a transfer) takes its time out of the outer one.
 
 Read with `engine_seconds()`, reset with `reset_engine_seconds()`; a perf_counter pair per call (~0.1 µs).
 """
@@ -8,16 +10,22 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-_SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0}
+_SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0, "gpu": 0.0}
+_OPEN: list[str] = []  # the phases being timed, innermost last
 
 
 @contextmanager
 def engine_timer(phase: str):
     t0 = time.perf_counter()
+    _OPEN.append(phase)
     try:
         yield
     finally:
-        _SECONDS[phase] += time.perf_counter() - t0
+        _OPEN.pop()
+        spent = time.perf_counter() - t0
+        _SECONDS[phase] += spent
+        if _OPEN:
+            _SECONDS[_OPEN[-1]] -= spent
 
 
 def engine_seconds() -> dict:

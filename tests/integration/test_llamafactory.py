@@ -2,6 +2,8 @@
 prepared, LoRA-trained (attention + every routed expert on the CPU engine), resumed from a checkpoint on
 the same loss curve, chatted with, and fully fine-tuned."""
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,9 +20,10 @@ _HERE = Path(sys.executable).parent / "llamafactory-cli"
 CLI = str(_HERE) if _HERE.exists() else shutil.which("llamafactory-cli")
 
 
-def run(args, cwd, stdin=None):
+def run(args, cwd, stdin=None, env=None):
     assert CLI, "llamafactory-cli is not installed; README's test command installs it"
-    p = subprocess.run([CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=1200)
+    p = subprocess.run([CLI, *args], cwd=cwd, input=stdin, capture_output=True, text=True, timeout=1200,
+                       env=None if env is None else {**os.environ, **env})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
 
@@ -45,7 +48,9 @@ def demo(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lora_run(demo):
     out = demo / "run_a"
-    run(["train", str(write_yaml(demo / "a.yaml", demo / "train.yaml", output_dir=str(out), save_steps=50))], demo)
+    log = run(["train", str(write_yaml(demo / "a.yaml", demo / "train.yaml", output_dir=str(out), save_steps=50))],
+              demo, env={"KT_SFT_PROFILE": "25"})
+    (out / "train.log").write_text(log)
     return out
 
 
@@ -56,6 +61,12 @@ def test_lora_loss_falls_and_adapter_holds_expert_lora(lora_run):
         keys = list(f.keys())
     assert any(k.endswith("mlp.experts.lora_A.gate") for k in keys)
     assert any(k.endswith("self_attn.q_proj.lora_A.weight") for k in keys)
+
+
+def test_step_profile_prints_under_llamafactory(lora_run):
+    # LLaMA-Factory's progress bar shares the lines the profile prints on.
+    steps = re.findall(r"kt_sft step (\d+): \d+ ms = CPU experts forward", (lora_run / "train.log").read_text())
+    assert steps[:3] == ["25", "50", "75"], steps
 
 
 def test_resume_continues_the_same_loss_curve(demo, lora_run):

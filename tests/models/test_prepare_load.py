@@ -123,7 +123,7 @@ def test_step_profile_reports_where_training_steps_go(saved, tmp_path, monkeypat
         model(input_ids=ids, labels=ids).loss.backward()
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kt_sft step")]
     assert [line.split(":")[0] for line in lines] == ["kt_sft step 2", "kt_sft step 4"]
-    assert "CPU experts forward" in lines[0] and "engine idle" in lines[0]
+    assert "CPU experts forward" in lines[0] and "GPU wait" in lines[0]
 
 
 def test_bad_step_profile_setting_is_named(monkeypatch):

@@ -5,7 +5,8 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine
 from kt_sft._ext import _C, view
-from kt_sft.ops.timing import engine_seconds, reset_engine_seconds
+from kt_sft.ops import timing
+from kt_sft.ops.timing import engine_seconds, engine_timer, reset_engine_seconds
 
 SHAPE = Shape("typical", T=64, H=96, I=80, E=8, K=3, r=5)
 
@@ -203,6 +204,18 @@ def test_step_profile_counts_engine_phases_and_transfers():
     reset_engine_seconds()
     m(x.requires_grad_(), idx, w).backward(g)
     spent = engine_seconds()
-    assert set(spent) == {"forward", "backward", "transfer"} and all(v > 0 for v in spent.values()), spent
+    assert set(spent) == {"forward", "backward", "transfer", "gpu"}, spent
+    assert all(spent[k] > 0 for k in ("forward", "backward", "transfer")) and spent["gpu"] == 0, spent  # CPU inputs
     reset_engine_seconds()
     assert not any(engine_seconds().values())
+
+
+def test_nested_engine_timers_are_exclusive(monkeypatch):
+    clock = iter([10.0, 12.0, 17.0])  # transfer opens, gpu opens, gpu closes, transfer closes
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock, 20.0))
+    reset_engine_seconds()
+    with engine_timer("transfer"):
+        with engine_timer("gpu"):
+            pass
+    assert engine_seconds() == {"forward": 0.0, "backward": 0.0, "transfer": 5.0, "gpu": 5.0}
+    reset_engine_seconds()
