@@ -171,9 +171,9 @@ void tile_nt(const TileNT<TB>& g) {
       });
 }
 
-// Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed tile by tile as the B operand (the nt
-// layout of its transpose) while the first block row computes; result tile (i, j) = activation rows i·16..,
-// output columns j·16...
+// Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of its
+// transpose) while the first block row computes; result tile (i, j) = activation rows i·16.., output
+// columns j·16...
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
@@ -182,29 +182,31 @@ void tile_nn(const TileNN<TB>& g) {
   thread_local std::vector<bf16> panel, decoded;
   thread_local std::vector<float> wide;
   panel.resize(np * ld);
-  decoded.resize(2 * TR);
+  decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
   const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
       _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
                        18, 2, 17, 1, 16, 0);
-  // The item reads a stripe of N columns from K rows far apart (no hardware prefetch across pages): the
-  // stripe of the next reduction block's rows is requested while this one is packed.
+  // Reduction block kc of every block column at once, when the first block column asks for it: each row is
+  // read (or decoded) once as one contiguous segment of N columns. The rows lie a page or more apart, out of
+  // the hardware prefetchers' reach: the next reduction block's rows are requested while this one is packed.
   auto make_b = [&](int j, int kc) {
-    const long n0 = long(j) * TR, cols = std::min<long>(TR, g.N - n0);
-    const __mmask16 mask = first16(cols);
-    bf16* dst = panel.data() + (long(j) * KC + kc) * TBLK;
+    if (j != 0) return;
     for (long k = long(kc) * TC; k < long(kc + 1) * TC; k += 2) {
       if constexpr (std::is_same_v<TB, bf16>)
-        if (j == 0)
-          for (long row = k + TC; row < std::min<long>(k + TC + 2, g.K); ++row)
-            for (long c = 0; c < g.N; c += TC)
-              _mm_prefetch(reinterpret_cast<const char*>(g.b.at(row) + g.b_off + c), _MM_HINT_T0);
-      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off + n0, cols, decoded.data(), wide) : nullptr;
-      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off + n0, cols, decoded.data() + TR, wide) : nullptr;
-      const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0) : _mm256_setzero_si256();
-      const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1) : _mm256_setzero_si256();
-      _mm512_storeu_si512(dst + ((k % TC) / 2) * TC,
-                          _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)));
+        for (long row = k + TC; row < std::min<long>(k + TC + 2, g.K); ++row)
+          for (long c = 0; c < g.N; c += TC)
+            _mm_prefetch(reinterpret_cast<const char*>(g.b.at(row) + g.b_off + c), _MM_HINT_T0);
+      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data(), wide) : nullptr;
+      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np, wide) : nullptr;
+      bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
+      for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(KC) * TBLK) {
+        const __mmask16 mask = first16(g.N - n0);
+        const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0 + n0) : _mm256_setzero_si256();
+        const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1 + n0) : _mm256_setzero_si256();
+        const __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+      }
     }
   };
   tile_blocks<Tiles>(

@@ -153,6 +153,17 @@ struct TilePlan {
   T* at(T* buf, int e, long cols) const { return buf + row0[e] * tile_ld(cols); }
 };
 
+// Output columns of a backward axpy-form work item (dy·W, reduction over K weight rows) of expert e. On the
+// tile unit the item packs its weight panel, a segment of each of the K rows: wider items read longer
+// contiguous segments (the rows lie a page or more apart) while the packed panel (K × width BF16) stays
+// within 1 MB of the core's L2 for its reuse by every 32-row block of activations.
+int nn_width(const TilePlan& tp, int e, long K) {
+  if (tp.on(e))
+    for (int width : {256, 128})
+      if (K * width * 2 <= (1L << 20)) return width;
+  return BLOCK;
+}
+
 TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, int min_rows) {
   TilePlan tp;
   tp.tk = bf16_act ? ks.tiles : nullptr;
@@ -577,11 +588,11 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   std::vector<Item> items;
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
-      for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
+      for (int b = 0; b < ceil_div(I, nn_width(tp, e, H)); ++b) items.push_back({0, e, b});
   rt.parallel_for(long(items.size()), [&](long it, int ith) {
-    const int e = items[it].e, n = rows_of(sv, e);
-    const long i0 = long(items[it].block) * BLOCK;
-    const int ib = int(std::min<long>(BLOCK, I - i0));
+    const int e = items[it].e, n = rows_of(sv, e), width = nn_width(tp, e, H);
+    const long i0 = long(items[it].block) * width;
+    const int ib = int(std::min<long>(width, I - i0));
     float* c = P + sv.offset[e] * I + i0;
     with_rows(e, DOWN, 0, [&](const auto& rows) {
       if (tp.on(e))
@@ -625,11 +636,11 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   items.clear();
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
-      for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({0, e, b});
+      for (int b = 0; b < ceil_div(H, nn_width(tp, e, I)); ++b) items.push_back({0, e, b});
   rt.parallel_for(long(items.size()), [&](long it, int ith) {
-    const int e = items[it].e, n = rows_of(sv, e);
-    const long h0 = long(items[it].block) * BLOCK;
-    const int hb = int(std::min<long>(BLOCK, H - h0));
+    const int e = items[it].e, n = rows_of(sv, e), width = nn_width(tp, e, I);
+    const long h0 = long(items[it].block) * width;
+    const int hb = int(std::min<long>(width, H - h0));
     float* c = dXs + sv.offset[e] * H + h0;
     float* dgu[2] = {dG, dU};
     const bf16* dgu_t[2] = {GT, UT};
