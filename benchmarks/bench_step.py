@@ -1,9 +1,11 @@
-"""Quick A/B probe on layer S (H=1024, I=512, E=16, K=4, r=8): one training step (fwd+bwd, T=256, median of
-10) and one decode step (T=1 under no_grad, median of 300), through KTExperts. Run it alternately against two
-builds to compare them on a noisy machine.
+"""Quick A/B probe through KTExperts: one training step (fwd+bwd, median of 10) and one decode step (T=1
+under no_grad; each call routes to a different random expert set, as decode does, so the weights come from
+RAM rather than cache; min over rounds of the median of 40 calls) on a bench_layer shape. Run it alternately
+against two builds to compare them on a noisy machine.
 
-  python benchmarks/bench_step.py
+  python benchmarks/bench_step.py [--shape S|Q|DS] [--skip-train]
 """
+import argparse
 import statistics
 import sys
 import time
@@ -13,30 +15,43 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
-from bench_layer import make_inputs, make_layer  # noqa: E402
+from bench_layer import SHAPES, make_inputs, make_layer  # noqa: E402
 
 
 def main():
-    E, H, I, K, T, r = 16, 1024, 512, 4, 256, 8
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="S", choices=sorted(SHAPES))
+    ap.add_argument("--skip-train", action="store_true", help="decode only")
+    args = ap.parse_args()
+    s = SHAPES[args.shape]
+    E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
     gu, dn = make_layer(E, H, I, r)
     m = kt_sft.KTExperts(gu, dn)
     m.add_lora(r, 2 * r)
-    x, idx, w = make_inputs(T, H, E, K)
-    xg, wg, g = x.clone().requires_grad_(), w.clone().requires_grad_(), torch.randn_like(x)
-    xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
-    steps, decode = [], []
-    for _ in range(12):
-        t0 = time.perf_counter()
-        m(xg, idx, wg).backward(g)
-        steps.append(time.perf_counter() - t0)
-    with torch.no_grad():
-        for _ in range(300):
+    line = f"shape {args.shape}: "
+    if not args.skip_train:
+        x, idx, w = make_inputs(T, H, E, K)
+        xg, wg, g = x.clone().requires_grad_(), w.clone().requires_grad_(), torch.randn_like(x)
+        steps = []
+        for _ in range(12):
             t0 = time.perf_counter()
-            m(xd, idxd, wd)
-            decode.append(time.perf_counter() - t0)
-    ms = statistics.median(decode) * 1e3
-    print(f"fwd+bwd {statistics.median(steps[2:]) * 1e3:.1f} ms  decode {ms:.3f} ms "
-          f"({K * 3 * H * I * 2 / ms / 1e6:.1f} GB/s)")
+            m(xg, idx, wg).backward(g)
+            steps.append(time.perf_counter() - t0)
+        line += f"fwd+bwd {statistics.median(steps[2:]) * 1e3:.1f} ms  "
+    xd, _, wd = make_inputs(1, H, E, K, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    routes = [torch.randperm(E, generator=gen)[:K].unsqueeze(0) for _ in range(40)]
+    rounds = []
+    with torch.no_grad():
+        for _ in range(15):
+            calls = []
+            for idxd in routes:
+                t0 = time.perf_counter()
+                m(xd, idxd, wd)
+                calls.append(time.perf_counter() - t0)
+            rounds.append(statistics.median(calls))
+    ms = min(rounds) * 1e3
+    print(line + f"decode {ms:.3f} ms ({K * 3 * H * I * 2 / ms / 1e6:.1f} GB/s)")
 
 
 if __name__ == "__main__":

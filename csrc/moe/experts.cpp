@@ -124,6 +124,23 @@ void transpose_b(const Lora& lora, int p, long e, long out, float* bt) {
   transpose(lora.B[p].as<float>() + e * out * lora.r, out, lora.r, bt + e * lora.r * out);
 }
 
+// Experts with at most this many rows in a forward apply LoRA B in dot form, reading B [out, r] in place:
+// for them the transpose the axpy form needs (r·out scattered stores) costs more than the product itself.
+constexpr int kLoraDotRows = 2;
+
+// c[m, j] += s Σ_k z[m, k] B[col0 + j, k] over the n rows of expert e: projection p's LoRA B applied to the
+// rank-space rows z, output columns [col0, col0 + cols); bt holds the transposed B of experts with more rows.
+void lora_out(const KernelSet& ks, const Lora& lora, int p, long e, long out, int n, const float* z, const float* bt,
+              long col0, int cols, float* c, long ldc) {
+  const int r = lora.r;
+  if (n <= kLoraDotRows)
+    ks.gemm_nt_f32({n, cols, r, {nullptr, z, r}, {nullptr, lora.B[p].as<float>() + (e * out + col0) * r, r}, c, ldc,
+                    lora.scale, true});
+  else
+    ks.gemm_nn_f32({n, cols, r, {nullptr, z, r}, 0, false, nullptr, {nullptr, bt + e * r * out, out}, col0, c, ldc,
+                    lora.scale, true});
+}
+
 // The kernel of the set for a weight format. BF16 activations may take the BF16-activation product of
 // BF16 weights; float32 activations stay exact.
 void run_nt(const KernelSet& ks, const GemmNT<bf16>& g, bool bf16_act) { (bf16_act ? ks.gemm_nt_bf16_act : ks.gemm_nt_bf16)(g); }
@@ -404,7 +421,6 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   expect(out, "output", x.dtype, {T, H});
   check_lora(lora);
   const int r = lora.r;
-  const float s = lora.scale;
 
   auto sv = std::make_shared<Saved>();
   sv->T = T;
@@ -436,14 +452,15 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
 
-  // Rank-space inputs of gate/up, every B transposed to [r, out] so "out of rank space" products run in
-  // axpy form with contiguous rows, and x in the tile layout for experts on tiles.
+  // Rank-space inputs of gate/up, B transposed to [r, out] so "out of rank space" products run in axpy form
+  // with contiguous rows (experts with more than kLoraDotRows rows), and x in the tile layout for experts on
+  // tiles.
   rt.parallel_for(E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty() || n == 0) continue;
-      transpose_b(lora, p, e, outd[p], bt[p]);
+      if (n > kLoraDotRows) transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
       lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
               per_thread + ith * tile, tile);
@@ -468,9 +485,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
         else
           run_nt(ks, weight_nt(n, ib, int(H), gathered(xrows, *sv, e), rows, c, I), bf16_act);
       });
-      if (Z[p])
-        ks.gemm_nn_f32({n, ib, r, slot_rows(Z[p], *sv, e, r), 0, false, nullptr, {nullptr, bt[p] + e * r * I, I}, i0, c,
-                        I, s, true});
+      if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
     for (int m = 0; m < n; ++m) {
       long o = (sv->offset[e] + m) * I + i0;
@@ -501,9 +516,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       else
         run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, H), bf16_act);
     });
-    if (Z[DOWN])
-      ks.gemm_nn_f32({n, hb, r, slot_rows(Z[DOWN], *sv, e, r), 0, false, nullptr, {nullptr, bt[DOWN] + e * r * H, H}, h0,
-                      c, H, s, true});
+    if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, H);
   });
 
   combine(out, Y, H, sv->slot_of, sv->slot_w.data(), T, K, rt, per_thread);
