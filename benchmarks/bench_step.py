@@ -3,7 +3,7 @@ under no_grad; each call routes to a different random expert set, as decode does
 RAM rather than cache; min over rounds of the median of 40 calls) on a bench_layer shape. Run it alternately
 against two builds to compare them on a noisy machine.
 
-  python benchmarks/bench_step.py [--shape S|Q|DS] [--skip-train]
+  python benchmarks/bench_step.py [--shape S|Q|DS] [--format bf16|fp8|int4] [--skip-train]
 """
 import argparse
 import statistics
@@ -15,20 +15,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
-from bench_layer import SHAPES, make_inputs, make_layer  # noqa: E402
+from bench_layer import SHAPES, expert_bytes, make_inputs, make_layer, quantized  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="S", choices=sorted(SHAPES))
+    ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "int4"), help="the experts' format")
     ap.add_argument("--skip-train", action="store_true", help="decode only")
     args = ap.parse_args()
     s = SHAPES[args.shape]
     E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
     gu, dn = make_layer(E, H, I, r)
-    m = kt_sft.KTExperts(gu, dn)
+    q = quantized(args.format, gu, dn)
+    m = kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
     m.add_lora(r, 2 * r)
-    line = f"shape {args.shape}: "
+    line = f"shape {args.shape}, {args.format}: "
     if not args.skip_train:
         x, idx, w = make_inputs(T, H, E, K)
         xg, wg, g = x.clone().requires_grad_(), w.clone().requires_grad_(), torch.randn_like(x)
@@ -51,7 +53,7 @@ def main():
                 calls.append(time.perf_counter() - t0)
             rounds.append(statistics.median(calls))
     ms = min(rounds) * 1e3
-    print(line + f"decode {ms:.3f} ms ({K * 3 * H * I * 2 / ms / 1e6:.1f} GB/s)")
+    print(line + f"decode {ms:.3f} ms ({expert_bytes(args.format, gu, dn, q) * K / E / ms / 1e6:.1f} GB/s)")
 
 
 if __name__ == "__main__":
