@@ -21,8 +21,9 @@ GATE_UP_INPUT, DOWN_INPUT = 5, 6
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """t on the CPU, contiguous, in dtype (or its own when the engine takes it, else float32). From a GPU: cast
-    there, copied into pinned memory (about twice the bandwidth of a pageable copy), after waiting for the
-    stream that produces t (timed as "gpu": GPU compute the engine waited for, not transfer)."""
+    there, copied into pinned memory (a pageable copy goes through a staging buffer; BENCHMARKS.md "End to
+    end": 35 -> 7 ms per 4-layer step), after waiting for the stream that produces t (timed as "gpu": GPU
+    compute the engine waited for, not transfer)."""
     if dtype is None:
         dtype = t.dtype if t.dtype in _ENGINE_DTYPES else torch.float32
     if t.device.type != "cuda":
