@@ -121,7 +121,7 @@ PYBIND11_MODULE(_C, m) {
       .def("backward",
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
               float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
-              py::object d_down, float dropout, uint32_t seed, bool now) {
+              py::object d_down, float dropout, uint32_t seed, bool now, py::list lora_accumulate) {
              if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
              View vx = to_view(x), vd = to_view(dout);
              Lora l = to_lora(r, scale, lora, dropout, seed);
@@ -129,9 +129,13 @@ PYBIND11_MODULE(_C, m) {
              Grads g;
              g.dx = to_view(dx);
              g.dw = to_view(dw);
+             if (!lora_accumulate.empty() && lora_accumulate.size() != 6)
+               throw std::invalid_argument("lora_accumulate takes 6 flags (A and B of gate, up, down), or none.");
              for (int p = 0; p < 3; ++p) {
                g.dA[p] = lg.A[p];
                g.dB[p] = lg.B[p];
+               g.acc_A[p] = !lora_accumulate.empty() && lora_accumulate[2 * p].cast<bool>();
+               g.acc_B[p] = !lora_accumulate.empty() && lora_accumulate[2 * p + 1].cast<bool>();
              }
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
@@ -141,7 +145,8 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
            py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
-           py::arg("dropout") = 0.f, py::arg("seed") = 0u, py::arg("now") = false)
+           py::arg("dropout") = 0.f, py::arg("seed") = 0u, py::arg("now") = false,
+           py::arg("lora_accumulate") = py::list())
       .def_property_readonly("E", &MoeExperts::E)
       .def_property_readonly("H", &MoeExperts::H)
       .def_property_readonly("I", &MoeExperts::I);

@@ -114,9 +114,9 @@ void combine(const View& out, const float* rows, long ld, const std::vector<int>
 
 // dst[c, r] = src[r, c] for src [rows, cols]: LoRA B [out, r] goes to [r, out] so "out of rank space"
 // products run in axpy form over contiguous rows, and grads of B computed as [r, out] go back.
-void transpose(const float* src, long rows, long cols, float* dst) {
+void transpose(const float* src, long rows, long cols, float* dst, bool accumulate = false) {
   for (long i = 0; i < rows; ++i)
-    for (long j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
+    for (long j = 0; j < cols; ++j) dst[j * rows + i] = (accumulate ? dst[j * rows + i] : 0.f) + src[i * cols + j];
 }
 
 // Expert e's LoRA B of projection p, [out, r], into its [r, out] slot of `bt`.
@@ -253,13 +253,13 @@ void lora_in_grad(const KernelSet& ks, const Lora& lora, int p, const Saved& sv,
   }
 }
 
-// dA_e[j, col0 + c] = s Σ_m (kscale_m) wz[m, j] · drop_p(a_m)[col0 + c]: projection p's LoRA A gradient, columns
-// [col0, col0 + cols), over the n rows of expert e.
+// dA_e[j, col0 + c] (+)= s Σ_m (kscale_m) wz[m, j] · drop_p(a_m)[col0 + c]: projection p's LoRA A gradient,
+// columns [col0, col0 + cols), over the n rows of expert e.
 void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, const float* wz, const float* kscale,
-             Rows<float> a, long col0, int cols, float* dst, long ldd, float* buf, long buf_floats) {
+             Rows<float> a, long col0, int cols, float* dst, long ldd, bool accumulate, float* buf, long buf_floats) {
   const int n = rows_of(sv, e), r = lora.r;
   if (!lora.dropout.on())
-    return ks.gemm_nn_f32({r, cols, n, {nullptr, wz, r}, 0, true, kscale, a, col0, dst, ldd, lora.scale, false});
+    return ks.gemm_nn_f32({r, cols, n, {nullptr, wz, r}, 0, true, kscale, a, col0, dst, ldd, lora.scale, accumulate});
   const int ch = chunk_rows(buf_floats, cols);
   for (int m0 = 0; m0 < n; m0 += ch) {
     const int mc = std::min(ch, n - m0);
@@ -267,7 +267,7 @@ void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
       ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), col0, cols, lora.dropout.p, a.at(m0 + m) + col0,
                       buf + long(m) * cols, false);
     ks.gemm_nn_f32({r, cols, mc, {nullptr, wz + long(m0) * r, r}, 0, true, kscale ? kscale + m0 : nullptr,
-                    {nullptr, buf, cols}, 0, dst, ldd, lora.scale, m0 > 0});
+                    {nullptr, buf, cols}, 0, dst, ldd, lora.scale, accumulate || m0 > 0});
   }
 }
 
@@ -550,12 +550,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                                 " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
-  // LoRA grads of experts that got no token are zeros (the others are overwritten below).
+  // LoRA grads of experts that got no token are zeros, or get nothing added (the others are written below).
   for (int e = 0; e < E_; ++e) {
     if (T > 0 && rows_of(sv, e)) continue;
     for (int p = 0; p < 3; ++p) {
-      if (!gr.dA[p].empty()) std::fill_n(gr.dA[p].as<float>() + long(e) * r * in[p], long(r) * in[p], 0.f);
-      if (!gr.dB[p].empty()) std::fill_n(gr.dB[p].as<float>() + long(e) * outd[p] * r, outd[p] * long(r), 0.f);
+      if (!gr.dA[p].empty() && !gr.acc_A[p])
+        std::fill_n(gr.dA[p].as<float>() + long(e) * r * in[p], long(r) * in[p], 0.f);
+      if (!gr.dB[p].empty() && !gr.acc_B[p])
+        std::fill_n(gr.dB[p].as<float>() + long(e) * outd[p] * r, outd[p] * long(r), 0.f);
     }
   }
   if (T == 0) return;
@@ -699,27 +701,27 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       case dA_DOWN: {  // dAd[j, i] = s Σ_m w_m zb[m, j] drop(h)[m, i]
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, I - c0));
         lora_dA(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, w, slot_rows(Hh, sv, e, I), c0, cb,
-                gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, tmp, tile);
+                gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN], tmp, tile);
         break;
       }
       case dB_DOWN: {  // dBd[h, j] = s Σ_m w_m zd[m, j] dout[m, h], computed as [j, h] then transposed
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, H - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[DOWN].get(), sv, e, r), 0, true, w, gathered(drows, sv, e), c0, tmp,
                         cb, s, false});
-        transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r);
+        transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r, gr.acc_B[DOWN]);
         break;
       }
       case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] drop(x)[m, h]
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, H - c0));
         lora_dA(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, nullptr, gathered(xrows, sv, e), c0, cb,
-                gr.dA[p].as<float>() + long(e) * r * H + c0, H, tmp, tile);
+                gr.dA[p].as<float>() + long(e) * r * H + c0, H, gr.acc_A[p], tmp, tile);
         break;
       }
       case dB_GU: {  // dBp[i, j] = s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, I - c0));
         ks.gemm_nn_f32({r, cb, n, slot_rows(sv.z[p].get(), sv, e, r), 0, true, nullptr, slot_rows(dgu[p], sv, e, I), c0,
                         tmp, cb, s, false});
-        transpose(tmp, r, cb, gr.dB[p].as<float>() + (long(e) * I + c0) * r);
+        transpose(tmp, r, cb, gr.dB[p].as<float>() + (long(e) * I + c0) * r, gr.acc_B[p]);
         break;
       }
       case dW_DOWN: {  // dWd[h, i] += Σ_m w_m dout[m, h] h[m, i]

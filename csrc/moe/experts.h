@@ -48,10 +48,12 @@ struct Lora {
 // Gradients: base-weight grads (float32 or bfloat16) ACCUMULATE into what they are given, as param.grad
 // does across micro-batches (they are the size of the weights, so no second buffer is made for them);
 // dx, dw and the LoRA A/B grads (float32) are OVERWRITTEN, experts without tokens getting zeros, so
-// the caller need not zero-fill LoRA-sized buffers every step.
+// the caller need not zero-fill LoRA-sized buffers every step; a LoRA grad flagged in acc_A / acc_B is
+// added into instead (gradient accumulation straight into param.grad).
 struct Grads {
   View dx, dw;
   View dA[3], dB[3];
+  bool acc_A[3] = {}, acc_B[3] = {};
   View d_gate_up, d_down;
 };
 

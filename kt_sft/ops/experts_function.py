@@ -1,8 +1,8 @@
 """The autograd Function over the CPU engine: moves tensors, calls the engine, nothing else (STYLE.md 6).
 
-Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads are written straight into
-`param.grad` when it is None and the matrix is float32 on the CPU (a buffer the module keeps and reuses:
-KTExperts.lora_grad_into), else returned to autograd in the parameters' dtype; base-weight grads (full mode)
+Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 CPU matrices go straight
+into `param.grad` (KTExperts.lora_grad_into: a buffer the module keeps and reuses when the grad is None, else
+added into the grad an earlier micro-batch left), else they are returned to autograd in the parameters' dtype; base-weight grads (full mode)
 are accumulated by the engine straight into `param.grad` (created as zeros when missing), so a multi-GB expert
 stack is never materialized twice.
 """
@@ -103,14 +103,15 @@ class ExpertsFunction(torch.autograd.Function):
         dx = host_empty(xc.shape, xc.dtype, dev)
         dw = host_empty(wshape, torch.float32, wdev)
         need = ctx.needs_input_grad
-        # The engine overwrites them: into param.grad straight where it may (direct), else into new tensors for
-        # autograd.
-        lora_grads, direct = [], []
+        # Straight into param.grad where it may (direct: overwriting a reused buffer, or adding into the grad of
+        # an earlier micro-batch), else written into new tensors for autograd.
+        lora_grads, direct, accumulate = [], [], []
         for i, (p, p32) in enumerate(zip(ctx.lora_params, ctx.lora32)):
             wanted = p is not None and need[N_FIXED_INPUTS + i]
-            buf = module.lora_grad_into(p) if wanted else None
-            direct.append(buf is not None)
-            lora_grads.append(buf if buf is not None else torch.empty_like(p32) if wanted else None)
+            target, adds = module.lora_grad_into(p) if wanted else (None, False)
+            direct.append(target is not None)
+            accumulate.append(adds)
+            lora_grads.append(target if target is not None else torch.empty_like(p32) if wanted else None)
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         with engine_timer("transfer"):
@@ -120,6 +121,7 @@ class ExpertsFunction(torch.autograd.Function):
             module.engine.backward(
                 ctx.saved, view(xc), view(dout), r, scale, lora_views(ctx.lora32),
                 view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout, now=True,
+                lora_accumulate=accumulate,
             ).wait()
         ctx.saved = None
         for p, g, d in zip(ctx.lora_params, lora_grads, direct):

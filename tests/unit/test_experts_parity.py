@@ -117,15 +117,19 @@ def test_base_grads_accumulate_across_micro_batches(kernels):
 
 
 def test_lora_grads_across_steps_and_micro_batches(kernels):
-    """LoRA grads land in param.grad straight from the engine when it is None (a reused buffer), and add up
-    through autograd when it is not: two micro-batches give the sum, a step after zero_grad starts afresh."""
+    """LoRA grads land in param.grad straight from the engine when it is None (a reused buffer), and the engine
+    adds into that same grad when it is not: two micro-batches give the sum, a step after zero_grad starts
+    afresh, and zero_grad(set_to_none=False) leaves zeros that the next micro-batch adds to."""
     shape = SHAPES[0]
     m = make_module(shape, lora=True)
     batches = [inputs(shape, seed=s) for s in (1, 2)]
     refs = [run_reference(m, *b) for b in batches]
+    A, B = m.lora_A["default"], m.lora_B["default"]
+    grads_after_first = None
     for x, idx, w, g in batches:
         m(x, idx, w).backward(g)
-    A, B = m.lora_A["default"], m.lora_B["default"]
+        grads_after_first = grads_after_first or [t.grad for t in (*A.values(), *B.values())]
+    assert all(t.grad is first for t, first in zip((*A.values(), *B.values()), grads_after_first))
     for p in A:
         assert rel_l2(A[p].grad, refs[0][f"dA_{p}"] + refs[1][f"dA_{p}"]) <= FP32_IO
         assert rel_l2(B[p].grad, refs[0][f"dB_{p}"] + refs[1][f"dB_{p}"]) <= FP32_IO
@@ -136,6 +140,13 @@ def test_lora_grads_across_steps_and_micro_batches(kernels):
     assert A["gate"].grad is first  # the buffer is reused, not reallocated
     for p in A:
         assert rel_l2(A[p].grad, refs[1][f"dA_{p}"]) <= FP32_IO
+    m.zero_grad(set_to_none=False)
+    x, idx, w, g = batches[0]
+    m(x, idx, w).backward(g)
+    assert A["gate"].grad is first
+    for p in A:
+        assert rel_l2(A[p].grad, refs[0][f"dA_{p}"]) <= FP32_IO
+        assert rel_l2(B[p].grad, refs[0][f"dB_{p}"]) <= FP32_IO
 
 
 def test_inference_forward_saves_nothing_and_matches(kernels):

@@ -6,7 +6,7 @@ import torch
 from experts_case import Shape, inputs, lora_of, make_module, run_engine
 from kt_sft.ops.reference import LoraWeights, lora_dropout_keep, moe_experts_reference
 from test_experts_parity import check, kernels  # noqa: F401  (the kernel-set fixture)
-from tolerances import FP32_IO
+from tolerances import FP32_IO, rel_l2
 
 SHAPES = [
     Shape("typical", T=40, H=64, I=48, E=8, K=2),
@@ -49,6 +49,27 @@ def test_dropout_parity(kernels, shape, fmt):
     x, idx, w, g = inputs(shape)
     got, seed = seeded_run(m, x, idx, w, g)
     check(got, reference_with_dropout(m, x, idx, w, g, 0.25, seed), FP32_IO, shape)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: s.name)
+def test_dropout_lora_grads_add_up_over_micro_batches(kernels, shape):
+    """The engine adds the second micro-batch's LoRA grads into param.grad: with LoRA dropout (its chunked
+    path) and with experts that get no token (nothing added for them)."""
+    m = make_module(shape, lora=True)
+    m.lora_dropout_p["default"] = 0.25
+    m.train()
+    x, idx, w, g = inputs(shape)
+    refs = []
+    for seed_state in (7, 8):
+        torch.manual_seed(seed_state)
+        seed = int(torch.randint(0, 2**31, ()).item())
+        torch.manual_seed(seed_state)
+        m(x, idx, w).backward(g)
+        refs.append(reference_with_dropout(m, x, idx, w, g, 0.25, seed))
+    A, B = lora_of(m)
+    for k in A:
+        assert rel_l2(A[k].grad, refs[0][f"dA_{k}"] + refs[1][f"dA_{k}"]) <= FP32_IO
+        assert rel_l2(B[k].grad, refs[0][f"dB_{k}"] + refs[1][f"dB_{k}"]) <= FP32_IO
 
 
 def test_masks_drop_about_p_and_scale_the_rest():
