@@ -672,7 +672,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
   combine(gr.dx, dXs, H, sv.slot_of, nullptr, T, K, rt, per_thread);
 
-  // Weight gradients (LoRA overwritten, base accumulated): kinds index the work items of one parallel phase.
+  // Weight gradients (LoRA overwritten or, where flagged, added into; base accumulated): kinds index the work
+  // items of one parallel phase.
   enum { dA_DOWN, dB_DOWN, dA_GU, dB_GU, dW_DOWN, dW_GU };  // LoRA kinds first (kind < dW_DOWN)
   items.clear();
   for (int e = 0; e < E_; ++e) {

@@ -2,9 +2,9 @@
 
 Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 CPU matrices go straight
 into `param.grad` (KTExperts.lora_grad_into: a buffer the module keeps and reuses when the grad is None, else
-added into the grad an earlier micro-batch left), else they are returned to autograd in the parameters' dtype; base-weight grads (full mode)
-are accumulated by the engine straight into `param.grad` (created as zeros when missing), so a multi-GB expert
-stack is never materialized twice.
+added into the grad an earlier micro-batch left), else they are returned to autograd in the parameters'
+dtype; base-weight grads (full mode) are accumulated by the engine straight into `param.grad` (created as
+zeros when missing), so a multi-GB expert stack is never materialized twice.
 """
 from __future__ import annotations
 
