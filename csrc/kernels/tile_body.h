@@ -68,6 +68,15 @@ void pack_nn(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
   pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) { _mm512_storeu_si512(dst + m * ld + k, pairs); });
 }
 
+// dst[0, n) = src[0, n) rounded to BF16 (nearest even), 16 at a time.
+inline void round_to_bf16(long n, const float* src, bf16* dst) {
+  for (long i = 0; i < n; i += 16) {
+    const __mmask16 m = first16(n - i);
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(v));
+  }
+}
+
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
 // copied), for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
 // to the nearest BF16).
@@ -78,7 +87,7 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
   } else {
     wide.resize(len);
     widen_row(b, i, col0, len, wide.data());
-    f32_to_bf16(len, wide.data(), dst);
+    round_to_bf16(len, wide.data(), dst);
     return dst;
   }
 }
@@ -152,12 +161,14 @@ void tile_nt(const TileNT<TB>& g) {
   thread_local std::vector<bf16> panel;
   thread_local std::vector<float> wide;
   if (!w) {  // decoded rows, zeros past N and K: tile loads never leave the panel
-    panel.assign(kt::tile_rows(g.N) * ld, bf16(0));
+    panel.resize(kt::tile_rows(g.N) * ld);
     for (long n = 0; n < g.N; ++n) {
       bf16* row = panel.data() + n * ld;
       const bf16* src = row_bf16(g.b, n, 0, g.K, row, wide);
       if (src != row) std::copy(src, src + g.K, row);
+      std::fill(row + g.K, row + ld, bf16(0));
     }
+    std::fill(panel.begin() + g.N * ld, panel.end(), bf16(0));
     w = panel.data();
   }
   const int KC = int(ld / TC);

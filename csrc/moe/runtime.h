@@ -29,8 +29,10 @@ class Scratch {
 };
 
 // An expert's rows in a training call from which the tile kernels are used; an inference forward, which packs
-// no weights, switches at a quarter of it. On the GPU machine tiles won from 1 row per expert up (1.1-1.2x at
-// 1-4 rows, 2.4x at 128: BENCHMARKS.md, "AMX crossover"); 4 keeps the margin where the two were within noise.
+// no weights, switches at a quarter of it for BF16 weights and at twice it for FP8/INT4 ones (decoded to BF16
+// before the tile unit takes them). On the GPU machine BF16 tiles won from 1 row per expert up (1.1-1.2x at
+// 1-4 rows, 2.4x at 128), quantized ones from 4 rows in training and 8 in inference (BENCHMARKS.md, "AMX
+// crossover"); 4 keeps the margin where the two were within noise.
 constexpr int kTileMinRows = 4;
 
 class Runtime {
