@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from .overlap import overlap_shared_experts
 from .registry import architecture_of
 
 
 def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
-    """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU); returns how many."""
+    """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU), and has the GPU compute
+    the shared experts of each such block while the engine runs (models/overlap.py); returns how many."""
     from ..peft.layer import KTExpertsLinear
 
     config = getattr(model, "config", None)
@@ -30,4 +32,5 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     if not replaced:
         raise ValueError(f"no {' / '.join(arch.experts_classes)} module found in this {config.model_type} model; "
                          "its transformers version may name the experts class differently.")
+    overlap_shared_experts(model, arch.shared_experts)
     return replaced

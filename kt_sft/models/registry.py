@@ -17,6 +17,10 @@ class MoEArchitecture:
     checkpoint_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     # Checkpoint key fragments that the transformers module tree names differently (old, new).
     key_renames: tuple[tuple[str, str], ...] = ()
+    # The MoE block's attribute holding shared experts that its stock forward applies to the block's input after
+    # the routed experts: they run on the GPU meanwhile (models/overlap.py). None: no shared experts, or the block
+    # applies them first (Qwen2-MoE, whose router then waits for them on the same stream).
+    shared_experts: str | None = None
 
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
         return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])

@@ -1,0 +1,113 @@
+"""Shared experts queued ahead of the CPU engine (kt_sft/models/overlap.py): installed on the blocks whose stock
+forward applies them to the block's input after the routed experts, and numerically the stock order. On the CPU
+the reordering runs without streams; on a CUDA device (the GPU test machine; skipped elsewhere, and said so) the
+shared experts run on a side stream."""
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from kt_sft.models import use_cpu_experts
+from kt_sft.models import overlap as overlap_module
+from kt_sft.models.overlap import SharedExpertsOverlap
+from tiny_models import tiny_model
+from tolerances import FP32_IO, GPU_VS_CPU, rel_l2
+
+# LoRA on the shared experts too, so that their gradients flow through the reordered branch.
+LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts", "gate_proj", "up_proj", "down_proj"],
+            init_lora_weights=False)
+
+
+def overlaps(model):
+    """The SharedExpertsOverlap objects installed in model (each replaced its module's forward)."""
+    return [m.forward.__self__ for m in model.modules()
+            if isinstance(getattr(m.forward, "__self__", None), SharedExpertsOverlap)]
+
+
+def lora_model(model_type, overlap=True):
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    if not overlap:
+        for o in overlaps(model):
+            o.remove()
+    torch.manual_seed(1)
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
+    return get_peft_model(model, LoraConfig(**LORA))
+
+
+def loss_and_grads(model, checkpointing=None, device="cpu"):
+    model = model.to(device).train()
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+        model.enable_input_require_grads()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("model_type,expected", [("deepseek_v3", 1), ("glm4_moe", 1), ("qwen2_moe", 0),
+                                                 ("qwen3_moe", 0)])
+def test_installed_where_the_block_calls_shared_experts_last(model_type, expected):
+    # The tiny DeepSeek/GLM models have one dense layer then one MoE layer; Qwen2-MoE applies its shared expert
+    # before routing (nothing to reorder), Qwen3-MoE has none.
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    assert len(overlaps(model)) == expected
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shared_experts_run_once_and_before_the_routed_experts(overlap):
+    model = lora_model("deepseek_v3", overlap)
+    block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+    calls = []
+    # Its down projection, which runs only where the shared experts compute (the block's own call to the
+    # module returns the queued result, without computing it again).
+    block.shared_experts.down_proj.register_forward_hook(lambda *_: calls.append("shared"))
+    block.experts.register_forward_hook(lambda *_: calls.append("routed"))
+    loss_and_grads(model)
+    assert calls == (["shared", "routed"] if overlap else ["routed", "shared"])
+
+
+@pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "reentrant_ckpt", "nonreentrant_ckpt"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing):
+    loss, grads = loss_and_grads(lora_model(model_type), checkpointing)
+    loss_ref, grads_ref = loss_and_grads(lora_model(model_type, overlap=False), checkpointing)
+    assert any("shared_experts" in n for n in grads) and any("experts.lora_A" in n for n in grads)
+    assert loss == loss_ref  # the same operations on the same values, in another order
+    # Autograd sums the two branches' gradients of the block input in another order: float32 rounding.
+    for name, g in grads_ref.items():
+        assert rel_l2(grads[name], g) <= FP32_IO, name
+
+
+def test_generation_without_grad_matches_the_stock_order():
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
+    outs = [lora_model("deepseek_v3", overlap).eval().generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+            for overlap in (True, False)]
+    assert torch.equal(*outs)
+
+
+def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_warning():
+    model = tiny_model("deepseek_v3")
+    use_cpu_experts(model)
+    (o,) = overlaps(model)
+    block = next(m for m in model.modules() if getattr(m, "shared_experts", None) is o.shared)
+    x = torch.randn(1, 3, 64)
+    expected = o.run(x * 1.0)
+    o.launch(block, (x,))
+    with pytest.warns(RuntimeWarning, match="overlap with the CPU experts is turned off"):
+        got = o.shared(x * 1.0)
+    assert torch.equal(got, expected)
+    assert not overlaps(model) and not block._forward_pre_hooks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("checkpointing", [None, False], ids=["plain", "nonreentrant_ckpt"])
+def test_side_stream_on_cuda_matches_the_stock_order(checkpointing):
+    # Same kernels on other streams; cuBLAS may choose other algorithms (and so reduction orders) per stream.
+    loss, grads = loss_and_grads(lora_model("deepseek_v3"), checkpointing, "cuda")
+    assert torch.device("cuda", torch.cuda.current_device()) in overlap_module._SIDE_STREAMS
+    loss_ref, grads_ref = loss_and_grads(lora_model("deepseek_v3", overlap=False), checkpointing, "cuda")
+    assert abs(loss - loss_ref) <= GPU_VS_CPU * abs(loss_ref)
+    for name, g in grads_ref.items():
+        assert rel_l2(grads[name], g) <= GPU_VS_CPU, name
