@@ -61,15 +61,22 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::worker(int ith) {
   uint64_t seen = 0;
   for (;;) {
-    for (int i = 0; i < SPIN && published_.load(std::memory_order_acquire) == seen; ++i) _mm_pause();
-    const std::function<void(int, int)>* job;
-    {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_start_.wait(lk, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      job = job_;
+    // A job published while this thread spins is taken without the lock (its fields were written before
+    // the release store of published_): fifteen workers taking one mutex in turn cost more than a short
+    // phase itself. Only a thread that goes to sleep takes the lock, to wait.
+    uint64_t gen = published_.load(std::memory_order_acquire);
+    for (int i = 0; i < SPIN && gen == seen; ++i) {
+      _mm_pause();
+      gen = published_.load(std::memory_order_acquire);
     }
+    if (gen == seen) {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_start_.wait(lk, [&] { return stop_ || published_.load(std::memory_order_relaxed) != seen; });
+      if (stop_) return;
+      gen = published_.load(std::memory_order_relaxed);
+    }
+    seen = gen;
+    const std::function<void(int, int)>* job = job_;
     std::exception_ptr err;
     try {
       (*job)(ith, n_);
@@ -94,12 +101,13 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     return;
   }
   {
+    // Under the lock for the threads that sleep (they check published_ holding it); notify_all costs no
+    // system call when none does.
     std::lock_guard<std::mutex> lk(mu_);
     job_ = &fn;
     pending_.store(n_ - 1, std::memory_order_relaxed);
     error_ = nullptr;
-    ++generation_;
-    published_.store(generation_, std::memory_order_release);
+    published_.store(published_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
   cv_start_.notify_all();
   std::exception_ptr err;
@@ -109,9 +117,11 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
     err = std::current_exception();
   }
   for (int i = 0; i < SPIN && pending_.load(std::memory_order_acquire) != 0; ++i) _mm_pause();
-  std::unique_lock<std::mutex> lk(mu_);
-  cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-  if (!err) err = error_;
+  if (pending_.load(std::memory_order_acquire) != 0) {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+  }
+  if (!err) err = error_;  // written before its thread's decrement of pending_, which the loads above acquire
   job_ = nullptr;
   if (err) std::rethrow_exception(err);
 }

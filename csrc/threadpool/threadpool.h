@@ -35,8 +35,7 @@ class ThreadPool {
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
   const std::function<void(int, int)>* job_ = nullptr;
-  uint64_t generation_ = 0;
-  std::atomic<uint64_t> published_{0};  // generation_, readable without the lock for spinning
+  std::atomic<uint64_t> published_{0};  // jobs published so far; written under mu_, read by spinning threads
   std::atomic<int> pending_{0};
   bool stop_ = false;
   std::exception_ptr error_;

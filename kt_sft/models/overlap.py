@@ -35,8 +35,9 @@ class SharedExpertsOverlap:
     """Installed on one MoE block: `launch` is the block's forward pre-hook, `forward` replaces the shared
     experts module's forward on the instance (its parameters and names, hence adapters, are untouched)."""
 
-    def __init__(self, block: nn.Module, shared: nn.Module):
-        self.shared = shared
+    def __init__(self, block: nn.Module, attribute: str):
+        self.attribute = attribute
+        self.shared = shared = getattr(block, attribute)
         self.run = shared.forward  # the module's own forward, bound
         self.pending = None  # (block input, shared output, side stream or None) of the block call in flight
         shared.forward = self.forward
@@ -45,6 +46,9 @@ class SharedExpertsOverlap:
     def launch(self, block, args):
         self.pending = None
         x = args[0] if args else None
+        if getattr(block, self.attribute) is not self.shared:  # replaced since (a wrapper): the stock order
+            self.remove()
+            return
         if not isinstance(x, torch.Tensor):
             return
         if x.device.type != "cuda":
@@ -89,5 +93,5 @@ def overlap_shared_experts(model: nn.Module, attribute: str | None) -> int:
     blocks = [m for m in model.modules() if isinstance(getattr(m, "experts", None), KTExperts)
               and isinstance(getattr(m, attribute, None), nn.Module)]
     for block in blocks:
-        SharedExpertsOverlap(block, getattr(block, attribute))
+        SharedExpertsOverlap(block, attribute)
     return len(blocks)
