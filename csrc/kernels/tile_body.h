@@ -110,18 +110,22 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 // block-column j of reduction block kc, with their row strides in bytes; tile (i, j) of the result
 // covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)` stores. make_b(j, kc)
 // runs before B tile (j, kc) is first loaded (during the first block row), so a B operand packed on the
-// way overlaps its memory reads with the tile products of the previous tiles.
-template <class Tiles, class ATile, class BTile, class MakeB, class Put>
+// way overlaps its memory reads with the tile products of the previous tiles. ahead(i, step, steps) runs at
+// each of the `steps` reduction steps of block row pair i, so that A operands read from memory can be
+// requested a block row pair ahead, spread over the time its tile products take.
+template <class Tiles, class ATile, class BTile, class MakeB, class Ahead, class Put>
 void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
-                 Put put) {
+                 Ahead ahead, Put put) {
   alignas(64) float t[TR * TR];
   Tiles::begin();
+  const long steps = long((JB + 1) / 2) * KC;
   for (int i = 0; i < IB; i += 2) {
     const bool i2 = i + 1 < IB;
     for (int j = 0; j < JB; j += 2) {
       const bool j2 = j + 1 < JB;
       Tiles::zero_acc();
       for (int kc = 0; kc < KC; ++kc) {
+        ahead(i, long(j / 2) * KC + kc, steps);
         if (i == 0) {
           make_b(j, kc);
           if (j2) make_b(j + 1, kc);
@@ -171,11 +175,24 @@ void tile_nt(const TileNT<TB>& g) {
     std::fill(panel.begin() + g.N * ld, panel.end(), bf16(0));
     w = panel.data();
   }
-  const int KC = int(ld / TC);
+  const int KC = int(ld / TC), IB = int(kt::tile_rows(g.N) / TR);
+  // Weights read in place: the rows of the next block row pair (2·16 rows of K columns, 1.5-14 KB apart, 32
+  // streams that the hardware prefetchers do not follow) are requested into L2 a slice per step while this
+  // pair computes, so that the pass that first reads them does not wait on memory.
+  const bool in_place = w != panel.data();
+  const long row_lines = (g.K * 2 + 63) / 64;
+  auto ahead = [&](int i, long step, long steps) {
+    const int next = i + 2;
+    if (!in_place || next >= IB) return;
+    const long rows = std::min(2 * TR, int(g.N) - next * TR), lines = rows * row_lines;
+    for (long l = step * lines / steps, end = (step + 1) * lines / steps; l < end; ++l)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (long(next) * TR + l / row_lines) * ldw) + (l % row_lines) * 64,
+                   _MM_HINT_T1);
+  };
   tile_blocks<Tiles>(
-      int(kt::tile_rows(g.N) / TR), int(kt::tile_rows(g.M) / TR), KC, ldw * 2, TBYTES,
+      IB, int(kt::tile_rows(g.M) / TR), KC, ldw * 2, TBYTES,
       [&](int i, int kc) { return w + long(i) * TR * ldw + kc * TC; },
-      [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {},
+      [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {}, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, true, j * TR, std::min(TR, g.M - j * TR), i * TR, std::min(TR, g.N - i * TR), g.c, g.ldc,
                  g.accumulate);
@@ -223,7 +240,7 @@ void tile_nn(const TileNN<TB>& g) {
   tile_blocks<Tiles>(
       int(kt::tile_rows(g.M) / TR), int(np / TR), KC, ld * 2, TBYTES,
       [&](int i, int kc) { return g.a + long(i) * TR * ld + kc * TC; },
-      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b,
+      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, [](int, long, long) {},
       [&](int i, int j, const float* t) {
         put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                  g.accumulate);
