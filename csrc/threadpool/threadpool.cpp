@@ -1,15 +1,30 @@
 #include "threadpool.h"
 
+#include <chrono>
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
 namespace kt {
 
-// Threads spin this many pause instructions (~50-100 us) for the next job or the last worker before
-// sleeping on a condition variable: waking a sleeping thread costs 10-50 us, which a decode step's six
-// short phases would pay six times over.
-constexpr int SPIN = 2000;
+// Threads spin this long for the next job or the last worker before sleeping on a condition variable:
+// waking a sleeping thread costs 10-50 us, which a decode step's six short phases would pay six times
+// over. The budget is time, read every 64 pauses: one pause lasts ~10 to ~140 cycles across x86 cores
+// (2000 of them were 48 us on the dev machine's EPYC, ~100+ us on the GPU machine's Xeon).
+constexpr auto kSpin = std::chrono::microseconds(100);
+
+// Spins until done() or kSpin has passed; returns done().
+template <class Done>
+static bool spin_until(Done done) {
+  const auto end = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      _mm_pause();
+    }
+    if (std::chrono::steady_clock::now() >= end) return done();
+  }
+}
 
 static std::vector<int> allowed_cpus() {
   std::vector<int> cpus;
@@ -64,12 +79,8 @@ void ThreadPool::worker(int ith) {
     // A job published while this thread spins is taken without the lock (its fields were written before
     // the release store of published_): fifteen workers taking one mutex in turn cost more than a short
     // phase itself. Only a thread that goes to sleep takes the lock, to wait.
-    uint64_t gen = published_.load(std::memory_order_acquire);
-    for (int i = 0; i < SPIN && gen == seen; ++i) {
-      _mm_pause();
-      gen = published_.load(std::memory_order_acquire);
-    }
-    if (gen == seen) {
+    uint64_t gen = seen;
+    if (!spin_until([&] { return (gen = published_.load(std::memory_order_acquire)) != seen; })) {
       std::unique_lock<std::mutex> lk(mu_);
       cv_start_.wait(lk, [&] { return stop_ || published_.load(std::memory_order_relaxed) != seen; });
       if (stop_) return;
@@ -116,8 +127,7 @@ void ThreadPool::run(const std::function<void(int, int)>& fn) {
   } catch (...) {
     err = std::current_exception();
   }
-  for (int i = 0; i < SPIN && pending_.load(std::memory_order_acquire) != 0; ++i) _mm_pause();
-  if (pending_.load(std::memory_order_acquire) != 0) {
+  if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
     std::unique_lock<std::mutex> lk(mu_);
     cv_done_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
   }
