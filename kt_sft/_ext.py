@@ -30,14 +30,14 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
     that a call in flight keeps it alive until its wait() returns."""
     if t is None:
         return None
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{name} is on {t.device}; the expert engine takes CPU tensors.")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; call .contiguous() on it first.")
     if t.dtype not in _DTYPES:
         raise ValueError(f"{name} is {t.dtype}; the expert engine takes float32, bfloat16, int64, "
                          "int32 (packed INT4) or float8_e4m3fn tensors.")
-    return (t.data_ptr(), _DTYPES[t.dtype], tuple(t.shape), t)
+    return (t.data_ptr(), _DTYPES[t.dtype], t.shape, t)
 
 
 def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None,

@@ -26,6 +26,8 @@ def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     compute the engine waited for, not transfer)."""
     if dtype is None:
         dtype = t.dtype if t.dtype in _ENGINE_DTYPES else torch.float32
+    if t.is_cpu:  # the common case of every call's LoRA matrices first: keyword .to() parsing costs microseconds
+        return t.detach() if t.dtype == dtype and t.is_contiguous() else t.detach().to(dtype).contiguous()
     if t.device.type != "cuda":
         return t.detach().to(device="cpu", dtype=dtype).contiguous()
     src = t.detach().to(dtype)
