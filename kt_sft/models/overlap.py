@@ -11,7 +11,7 @@ stream its forward ran on and synchronizes streams where gradients cross them; a
 checkpointing) goes through the same hooks.
 
 The backward is not overlapped this way: the engine's backward is the later node of the two branches, so
-autograd runs it first, with the shared experts' backward queued behind it (see cookbook/recipes.md).
+autograd runs it first, with the shared experts' backward queued behind it (README, "How the engine works").
 
 On a CPU device the same reordering runs without streams (nothing to overlap), which keeps the logic tested.
 """
