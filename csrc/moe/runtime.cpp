@@ -55,6 +55,7 @@ void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int
 
 void Runtime::parallel_for(long n, const std::function<void(long, int)>& body) {
   if (n <= 0) return;
+  if (n == 1) return body(0, 0);  // one item runs on one thread anyway: no hand-off (decode's T = 1 phases)
   std::atomic<long> next{0};
   pool_->run([&](int ith, int) {
     for (long i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(i, ith);
