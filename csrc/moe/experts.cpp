@@ -192,6 +192,16 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
   return tp;
 }
 
+// body(e, ith) for the experts that have rows in this call: the others have nothing to do (at decode 120 of
+// Qwen3's 128), and handing each out would still cost the pool an atomic increment.
+template <class Body>
+void for_routed_experts(Runtime& rt, const Saved& sv, int E, Body body) {
+  std::vector<int> routed;
+  for (int e = 0; e < E; ++e)
+    if (rows_of(sv, e)) routed.push_back(e);
+  rt.parallel_for(long(routed.size()), [&](long i, int ith) { body(long(routed[i]), ith); });
+}
+
 // The rows from which an expert's forward takes the tiles (runtime.h). An inference forward packs no weights:
 // BF16 rows load in place, so tiles pay from a quarter of tile_min_rows; quantized rows are decoded and
 // rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice tile_min_rows.
@@ -462,11 +472,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // Rank-space inputs of gate/up, B transposed to [r, out] so "out of rank space" products run in axpy form
   // with contiguous rows (experts with more than kLoraDotRows rows), and x in the tile layout for experts on
   // tiles.
-  rt.parallel_for(E_, [&](long e, int ith) {
+  for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
     for (int p = 0; p < 3; ++p) {
-      if (lora.A[p].empty() || n == 0) continue;
+      if (lora.A[p].empty()) continue;
       if (n > kLoraDotRows) transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
       lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
@@ -502,10 +512,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   });
 
   if (Z[DOWN])
-    rt.parallel_for(E_, [&](long e, int ith) {
-      if (rows_of(*sv, int(e)))
-        lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
-                per_thread + ith * tile, tile);
+    for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
+      lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
+              per_thread + ith * tile, tile);
     });
 
   items.clear();
@@ -596,12 +605,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
   bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * tile_ld(I)) : nullptr;
 
-  rt.parallel_for(E_, [&](long e, int) {
+  for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
     for (int p = 0; p < 3; ++p)
-      if (lora_on[p] && n) transpose_b(lora, p, e, outd[p], bt[p]);
-    if (lora_on[DOWN] && n)
+      if (lora_on[p]) transpose_b(lora, p, e, outd[p], bt[p]);
+    if (lora_on[DOWN])
       ks.gemm_nt_f32({n, r, int(H), gathered(drows, sv, int(e)), {nullptr, bt[DOWN] + e * r * H, H},
                       wz[DOWN] + sv.offset[e] * r, r, 1.f, false});
   });
@@ -641,12 +650,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (long t = 0; t < long(T) * K; ++t) gr.dw.as<float>()[t] = dws[sv.slot_of[t]];
 
   if (lora_on[GATE] || lora_on[UP] || tp.rows())
-    rt.parallel_for(E_, [&](long e, int) {
+    for_routed_experts(rt, sv, E_, [&](long e, int) {
       const int n = rows_of(sv, int(e));
       const float* dgu[2] = {dG, dU};
       bf16* dgu_t[2] = {GT, UT};
       for (int p = GATE; p <= UP; ++p) {
-        if (lora_on[p] && n)
+        if (lora_on[p])
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
         if (tp.on(int(e)))
