@@ -1,4 +1,6 @@
 """Threads, async submission, bad input, device moves and construction paths of the engine."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -22,6 +24,23 @@ def test_thread_counts_give_identical_results():
     for other in results[1:]:
         for key, t in results[0].items():
             assert torch.equal(t, other[key]), f"{key} differs between thread counts"
+
+
+@pytest.mark.parametrize("threads", [2, 5], ids=["2_threads", "5_threads_oversubscribed"])
+def test_many_short_calls_in_a_row_repeat_their_results(threads):
+    # Decode-sized calls back to back: pool threads take each job while spinning (without the pool's lock), or
+    # sleep and are woken when oversubscribed; a job taken twice, missed or read stale would change a result.
+    kt_sft.configure(threads=threads)
+    try:
+        m = make_module(SHAPE, lora=True)
+        calls = [inputs(replace(SHAPE, T=T), dtype)[:3] for T in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
+        with torch.no_grad():
+            first = [m(*c) for c in calls]
+            for _ in range(100):
+                for c, y in zip(calls, first):
+                    assert torch.equal(m(*c), y)
+    finally:
+        kt_sft.configure(threads=0)
 
 
 def test_async_submission_overlaps_python():
