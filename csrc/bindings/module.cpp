@@ -169,7 +169,10 @@ PYBIND11_MODULE(_C, m) {
     }
     const std::string why_not = tiles_status();
     d["tiles"] = why_not.empty() ? "available (kernel set amx), used for BF16 activations of experts with at least " +
-                                       std::to_string(rt.tile_min_rows()) + " rows in a call"
+                                       std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call " +
+                                       "(inference: " + std::to_string(rt.tile_rows_for(false, true)) +
+                                       " for BF16 weights, " + std::to_string(rt.tile_rows_for(false, false)) +
+                                       " for FP8/INT4)"
                                  : why_not;
     d["tile_min_rows"] = rt.tile_min_rows();
     d["threads"] = rt.threads();

@@ -202,14 +202,6 @@ void for_routed_experts(Runtime& rt, const Saved& sv, int E, Body body) {
   rt.parallel_for(long(routed.size()), [&](long i, int ith) { body(long(routed[i]), ith); });
 }
 
-// The rows from which an expert's forward takes the tiles (runtime.h). An inference forward packs no weights:
-// BF16 rows load in place, so tiles pay from a quarter of tile_min_rows; quantized rows are decoded and
-// rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice tile_min_rows.
-int forward_tile_rows(const Runtime& rt, Format format, bool save) {
-  if (save) return rt.tile_min_rows();
-  return format == Format::bf16 ? std::max(1, rt.tile_min_rows() / 4) : 2 * rt.tile_min_rows();
-}
-
 // Products against expert weights (alpha 1, no A transpose), typed by the weight rows they read.
 template <class T>
 GemmNT<T> weight_nt(int M, int N, int K, Rows<float> a, Rows<T> b, float* c, long ldc) {
@@ -465,7 +457,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
-  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, forward_tile_rows(rt, format_, save));
+  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.tile_rows_for(save, format_ == Format::bf16));
   bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
 

@@ -2,6 +2,7 @@
 // queue for asynchronous calls, and one scratch workspace. All engine calls run on the driver
 // thread one at a time, so layers can share the scratch without locks.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -45,6 +46,13 @@ class Runtime {
   const KernelSet& kernels() const;
   int threads() const { return pool_->size(); }
   int tile_min_rows() const { return tile_min_rows_; }
+  // The rows from which an expert takes the tiles in a call: tile_min_rows in training. An inference forward
+  // packs no weights: BF16 rows load in place, so tiles pay from a quarter of it; FP8/INT4 rows are decoded
+  // and rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice it.
+  int tile_rows_for(bool training, bool bf16_weights) const {
+    if (training) return tile_min_rows_;
+    return bf16_weights ? std::max(1, tile_min_rows_ / 4) : 2 * tile_min_rows_;
+  }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }
 
