@@ -93,6 +93,11 @@ def quantized(fmt, gu, dn):
     return None if fmt == "bf16" else QuantizedExperts.quantize(fmt, gu, dn)
 
 
+def experts_module(gu, dn, q) -> kt_sft.KTExperts:
+    """Our experts module: the BF16 layer, or its quantized form q (from quantized())."""
+    return kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
+
+
 def expert_bytes(fmt, gu, dn, q) -> int:
     """Bytes the engine reads for all experts of the layer in a format (weights + scales)."""
     if q is None:
@@ -245,13 +250,13 @@ def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res):
     """Ours (and the peer) on one format's experts: training fwd/bwd, inference, decode, RSS."""
     E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
     q = quantized(fmt, gu, dn)
-    res["ours"][fmt] = bench_ours(kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q), x, idx, w, r, reps)
+    res["ours"][fmt] = bench_ours(experts_module(gu, dn, q), x, idx, w, r, reps)
     if "peer" not in skip:
         peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
         res["peer"][fmt], res["peer_status"][fmt] = bench_peer(gu, dn, q, x, idx, w, peer_r, reps, threads, fmt)
     if "decode" not in skip:
         xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
-        m = kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
+        m = experts_module(gu, dn, q)
         m.add_lora(r, 2 * r)
         with torch.no_grad():
             ms = median_ms(lambda: m(xd, idxd, wd), max(reps, 20))

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import kt_sft  # noqa: E402
-from bench_layer import SHAPES, expert_bytes, make_inputs, make_layer, quantized  # noqa: E402
+from bench_layer import SHAPES, expert_bytes, experts_module, make_inputs, make_layer, quantized  # noqa: E402
 
 
 def main():
@@ -28,7 +27,7 @@ def main():
     E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
     gu, dn = make_layer(E, H, I, r)
     q = quantized(args.format, gu, dn)
-    m = kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
+    m = experts_module(gu, dn, q)
     m.add_lora(r, 2 * r)
     line = f"shape {args.shape}, {args.format}: "
     if not args.skip_train:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench_layer import SHAPES, bench_ours, make_inputs, make_layer, quantized
+from bench_layer import SHAPES, bench_ours, experts_module, make_inputs, make_layer, quantized
 
 import kt_sft
 
@@ -37,8 +37,7 @@ def main():
         got = {}
         for ks, min_rows in (("amx", 1), ("avx512", 0)):
             kt_sft.configure(kernels=ks, tile_min_rows=min_rows)
-            m = kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
-            got[ks] = bench_ours(m, x, idx, w, r, args.reps)
+            got[ks] = bench_ours(experts_module(gu, dn, q), x, idx, w, r, args.reps)
         a, b = got["amx"], got["avx512"]
         step_a, step_b = a["fwd"] + a["bwd"], b["fwd"] + b["bwd"]
         print(f"{T:6d} {T * K / E:11.1f} {a['infer']:10.2f} {b['infer']:8.2f} {b['infer'] / a['infer']:6.2f} "
