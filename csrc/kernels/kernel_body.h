@@ -287,10 +287,18 @@ void nn_tile(const GemmNN<TB>& g, int m0, int mr, int n0, int k0, int k1, const 
       for (int v = 0; v < NV; ++v) acc[i][v] = Simd::fma(avv, bv[v], acc[i][v]);
     }
   }
+  // Whole vectors are stored as vectors: with a short reduction (LoRA's K = r) one store per element would
+  // cost more than the products (a third of the forward's down phase at Layer Q on the GPU machine).
+  const V alpha = Simd::set1(g.alpha);
+  const bool add = g.accumulate || k0 != 0;
   float lane[W];
   for (int i = 0; i < mr; ++i) {
     float* c = g.c + long(m0 + i) * g.ldc + n0;
     for (int v = 0; v < NV; ++v) {
+      if ((v + 1) * W <= ncols) {
+        Simd::store(c + v * W, add ? Simd::fma(alpha, acc[i][v], Simd::load(c + v * W)) : Simd::mul(alpha, acc[i][v]));
+        continue;
+      }
       Simd::store(lane, acc[i][v]);
       for (int l = 0; l < W && v * W + l < ncols; ++l)
         store_chunk(c + v * W + l, g.alpha, lane[l], g.accumulate, k0 == 0);

@@ -78,11 +78,13 @@ const float* as_f32(const View& x, float* dst, Runtime& rt) {
   return dst;
 }
 
-void store_row(const View& out, long row, const float* src, long n, const KernelSet& ks) {
+// Columns [col0, col0 + n) of row `row` of out (row-major, out.shape[1] columns) = src, in out's dtype.
+void store_cols(const View& out, long row, long col0, const float* src, long n, const KernelSet& ks) {
+  const long at = row * out.shape[1] + col0;
   if (out.dtype == DType::f32)
-    std::memcpy(out.as<float>() + row * n, src, n * sizeof(float));
+    std::memcpy(out.as<float>() + at, src, n * sizeof(float));
   else
-    ks.f32_to_bf16(n, src, out.as<bf16>() + row * n);
+    ks.f32_to_bf16(n, src, out.as<bf16>() + at);
 }
 
 // dst[rows, cols] (+)= src; dst float32 or bfloat16 (rounded once per accumulation, as torch does).
@@ -97,18 +99,18 @@ void accumulate_into(const View& dst, long offset, long ld, const float* src, lo
     }
 }
 
-// out[t] = Σ_k coef(t,k) · rows[slot_of[t,k]] for every token, written in out's dtype.
-void combine(const View& out, const float* rows, long ld, const std::vector<int>& slot_of, const float* coef, int T,
-             int K, Runtime& rt, float* per_thread) {
+// out[t] = Σ_k rows[slot_of[t,k]] for every token, written in out's dtype.
+void combine(const View& out, const float* rows, long ld, const std::vector<int>& slot_of, int T, int K, Runtime& rt,
+             float* per_thread) {
   const KernelSet& ks = rt.kernels();
   rt.parallel_for(T, [&](long t, int ith) {
     float* acc = per_thread + long(ith) * ld;
     std::fill(acc, acc + ld, 0.f);
     for (int k = 0; k < K; ++k) {
       long s = slot_of[t * K + k];
-      ks.axpy(ld, coef ? coef[s] : 1.f, rows + s * ld, acc);
+      ks.axpy(ld, 1.f, rows + s * ld, acc);
     }
-    store_row(out, t, acc, ld, ks);
+    store_cols(out, t, 0, acc, ld, ks);
   });
 }
 
@@ -194,11 +196,16 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
 
 // body(e, ith) for the experts that have rows in this call: the others have nothing to do (at decode 120 of
 // Qwen3's 128), and handing each out would still cost the pool an atomic increment.
-template <class Body>
-void for_routed_experts(Runtime& rt, const Saved& sv, int E, Body body) {
+std::vector<int> routed_experts(const Saved& sv, int E) {
   std::vector<int> routed;
   for (int e = 0; e < E; ++e)
     if (rows_of(sv, e)) routed.push_back(e);
+  return routed;
+}
+
+template <class Body>
+void for_routed_experts(Runtime& rt, const Saved& sv, int E, Body body) {
+  const std::vector<int> routed = routed_experts(sv, E);
   rt.parallel_for(long(routed.size()), [&](long i, int ith) { body(long(routed[i]), ith); });
 }
 
@@ -409,7 +416,7 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
   const long N = T * K;
   return size_t(2 * T * H            // x and dout as float32
                 + 4 * N * I          // h, p and (backward) dg, du; forward g, u when not saved
-                + N * H              // per-slot outputs (forward y, backward dx)
+                + std::max(N * H, 2L * threads * T * BLOCK)  // backward's per-slot dx; forward's down columns
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
@@ -446,7 +453,6 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   float* G = save ? alloc_saved(*sv, sv->g, N * I) : sc.get(Scratch::DG, N * I);
   float* U = save ? alloc_saved(*sv, sv->u, N * I) : sc.get(Scratch::DU, N * I);
   float* Hh = sc.get(Scratch::HH, N * I);
-  float* Y = sc.get(Scratch::SLOT_ROWS, N * H);
   float* Z[3] = {};
   const Scratch::Slot zslot[3] = {Scratch::Z0, Scratch::Z1, Scratch::Z2};
   for (int p = 0; p < 3; ++p)
@@ -509,25 +515,34 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
               per_thread + ith * tile, tile);
     });
 
-  items.clear();
-  for (int e = 0; e < E_; ++e)
-    if (rows_of(*sv, e))
-      for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({0, e, b});
-  rt.parallel_for(long(items.size()), [&](long it, int) {
-    const int e = items[it].e, n = rows_of(*sv, e);
-    const long h0 = long(items[it].block) * BLOCK;
+  // Down, then the weighted sum over each token's experts, one block of BLOCK output columns per work item:
+  // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
+  // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
+  // back, a quarter of the phase on the GPU machine), and each token's sum runs in one fixed order (by expert).
+  const std::vector<int> routed = routed_experts(*sv, E_);
+  float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * 2 * T * BLOCK);
+  rt.parallel_for(ceil_div(H, BLOCK), [&](long hblk, int ith) {
+    const long h0 = hblk * BLOCK;
     const int hb = int(std::min<long>(BLOCK, H - h0));
-    float* c = Y + sv->offset[e] * H + h0;
-    with_rows(e, DOWN, h0, [&](const auto& rows) {
-      if (tp.on(e))
-        run_tile(*tp.tk, tile_nt(n, hb, int(I), tp.at(HT, e, I), rows, c, H));
-      else
-        run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, H), bf16_act);
-    });
-    if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, H);
+    float* acc = rows_buf + long(ith) * 2 * T * BLOCK;  // [T, BLOCK]: this item's columns of every token
+    float* c = acc + long(T) * BLOCK;                   // [n, BLOCK]: one expert's rows
+    std::fill(acc, acc + long(T) * BLOCK, 0.f);
+    for (int e : routed) {
+      const int n = rows_of(*sv, e);
+      with_rows(e, DOWN, h0, [&](const auto& rows) {
+        if (tp.on(e))
+          run_tile(*tp.tk, tile_nt(n, hb, int(I), tp.at(HT, e, I), rows, c, BLOCK));
+        else
+          run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, BLOCK), bf16_act);
+      });
+      if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
+      for (int m = 0; m < n; ++m) {
+        const long s = sv->offset[e] + m;
+        ks.axpy(hb, sv->slot_w[s], c + long(m) * BLOCK, acc + long(sv->slot_token[s]) * BLOCK);
+      }
+    }
+    for (long t = 0; t < T; ++t) store_cols(out, t, h0, acc + t * BLOCK, hb, ks);
   });
-
-  combine(out, Y, H, sv->slot_of, sv->slot_w.data(), T, K, rt, per_thread);
   return save ? sv : nullptr;
 }
 
@@ -678,7 +693,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, H, h0, hb, c, H, per_thread + ith * tile, tile);
     }
   });
-  combine(gr.dx, dXs, H, sv.slot_of, nullptr, T, K, rt, per_thread);
+  combine(gr.dx, dXs, H, sv.slot_of, T, K, rt, per_thread);
 
   // Weight gradients (LoRA overwritten or, where flagged, added into; base accumulated): kinds index the work
   // items of one parallel phase.
