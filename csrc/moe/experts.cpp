@@ -15,6 +15,9 @@ namespace {
 // E·I/64 items, enough to spread a decode step's few experts over every thread.
 constexpr int BLOCK = 64;
 
+// Tokens of a call up to which it is a decode step: few rows per expert, time in streaming the weights.
+constexpr int kDecodeTokens = 8;
+
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
 // Columns per LoRA-grad work item: each item reads its column segment of every row of the expert (tokens
@@ -519,11 +522,14 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
   // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
   // back, a quarter of the phase on the GPU machine), and each token's sum runs in one fixed order (by expert).
+  // A decode step (up to kDecodeTokens tokens) streams the weights of a few experts: narrower blocks hand
+  // them out over every thread.
   const std::vector<int> routed = routed_experts(*sv, E_);
+  const int width = T <= kDecodeTokens ? 16 : BLOCK;
   float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * 2 * T * BLOCK);
-  rt.parallel_for(ceil_div(H, BLOCK), [&](long hblk, int ith) {
-    const long h0 = hblk * BLOCK;
-    const int hb = int(std::min<long>(BLOCK, H - h0));
+  rt.parallel_for(ceil_div(H, width), [&](long hblk, int ith) {
+    const long h0 = hblk * width;
+    const int hb = int(std::min<long>(width, H - h0));
     float* acc = rows_buf + long(ith) * 2 * T * BLOCK;  // [T, BLOCK]: this item's columns of every token
     float* c = acc + long(T) * BLOCK;                   // [n, BLOCK]: one expert's rows
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
