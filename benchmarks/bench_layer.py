@@ -10,6 +10,7 @@ memory read bandwidth, and peak RSS against the weight bytes.
   python benchmarks/bench_layer.py --shape S            # H=1024 I=512 E=16 K=4 T=256 r=8
   python benchmarks/bench_layer.py --shape Q --T 2048   # Qwen3-30B-A3B layer, r=16
   python benchmarks/bench_layer.py --shape Q --formats bf16,fp8,int4 --skip torch   # quantized experts
+  python benchmarks/bench_layer.py --shape Q --phases   # also ours' time per engine phase (forward.gate_up, ...)
 
 With several --formats, each is measured for ours and for the peer's method of that format (AMXBF16_SFT,
 AMXFP8_SFT, RAWINT4_SFT; the peer's INT4 runs LoRA rank 8 only), and decode bandwidth counts each format's
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
 from kt_sft.formats import QuantizedExperts  # noqa: E402
+from kt_sft.ops import timing  # noqa: E402
 from kt_sft.ops.reference import LoraWeights, moe_experts_reference  # noqa: E402
 
 SHAPES = {
@@ -105,7 +107,7 @@ def expert_bytes(fmt, gu, dn, q) -> int:
     return sum(t.numel() * t.element_size() for t in (q.gate_up, q.down, q.gate_up_scale, q.down_scale))
 
 
-def bench_ours(m, x, idx, w, r, reps):
+def bench_ours(m, x, idx, w, r, reps, phases=False):
     m.add_lora(r, 2 * r)
     for p in m.lora_B["default"].values():
         torch.nn.init.normal_(p, std=0.01)
@@ -134,7 +136,17 @@ def bench_ours(m, x, idx, w, r, reps):
         drop_grads()
     with torch.no_grad():
         inf_ms = median_ms(lambda: m(x, idx, w), reps)
-    return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]), infer=inf_ms)
+    res = dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]), infer=inf_ms)
+    if phases:  # separate training steps, so the profile's clock reads stay out of the timings above
+        timing.profile_engine_phases(True)
+        timing.engine_phases(reset=True)
+        for _ in range(reps):
+            fwd()
+            bwd()
+            drop_grads()
+        res["phases"] = {k: v * 1e3 / reps for k, v in timing.engine_phases(reset=True).items()}
+        timing.profile_engine_phases(False)
+    return res
 
 
 def bench_torch(gu, dn, x, idx, w, r, reps):
@@ -246,11 +258,11 @@ def git_commit() -> str:
         return "?"
 
 
-def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res):
+def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res, phases=False):
     """Ours (and the peer) on one format's experts: training fwd/bwd, inference, decode, RSS."""
     E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
     q = quantized(fmt, gu, dn)
-    res["ours"][fmt] = bench_ours(experts_module(gu, dn, q), x, idx, w, r, reps)
+    res["ours"][fmt] = bench_ours(experts_module(gu, dn, q), x, idx, w, r, reps, phases)
     if "peer" not in skip:
         peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
         res["peer"][fmt], res["peer_status"][fmt] = bench_peer(gu, dn, q, x, idx, w, peer_r, reps, threads, fmt)
@@ -274,6 +286,7 @@ def main():
     ap.add_argument("--formats", default="bf16", help="comma list of: bf16,fp8,int4")
     ap.add_argument("--skip", default="", help="comma list of: torch,peer,decode,rss,peak")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--phases", action="store_true", help="also time ours per engine phase (separate steps)")
     args = ap.parse_args()
     s = dict(SHAPES[args.shape])
     s["T"] = args.T or s["T"]
@@ -293,7 +306,7 @@ def main():
     gu, dn = make_layer(E, H, I, r)
     x, idx, w = make_inputs(T, H, E, K)
     for fmt in formats:
-        run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res)
+        run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res, args.phases)
     if "torch" not in skip:
         res["torch"] = bench_torch(gu, dn, x, idx, w, r, reps)
     if "peak" not in skip:
@@ -324,6 +337,9 @@ def report(res, flop):
             if other in total and other != f"ours {f}":
                 print(f"ours {f} vs {other} (fwd+bwd): {total[other] / base:.2f}x faster")
         print(f"ours {f} inference forward: {res['ours'][f]['infer']:.1f} ms")
+        if "phases" in res["ours"][f]:
+            print(f"ours {f} phases, ms per step: " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in res["ours"][f]["phases"].items()))
     if "peak_gflops" in res:
         peak = max(res["peak_gflops"].values())
         print(f"measured matmul peak: {res['peak_gflops']}; measured read bandwidth: {res['read_gbps']:.1f} GB/s")

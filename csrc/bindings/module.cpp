@@ -181,4 +181,6 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("scratch_floats", &MoeExperts::scratch_floats);
+  m.def("set_phase_profile", [](bool on) { Runtime::get().set_profiling(on); });
+  m.def("phase_seconds", [](bool reset) { return Runtime::get().phase_seconds(reset); });
 }

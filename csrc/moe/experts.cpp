@@ -442,6 +442,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   check_lora(lora);
   const int r = lora.r;
 
+  Phases phase(rt);
+  phase("forward.route_inputs");
   auto sv = std::make_shared<Saved>();
   sv->T = T;
   sv->K = K;
@@ -473,6 +475,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // Rank-space inputs of gate/up, B transposed to [r, out] so "out of rank space" products run in axpy form
   // with contiguous rows (experts with more than kLoraDotRows rows), and x in the tile layout for experts on
   // tiles.
+  phase("forward.pack_x_lora_in");
   for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
@@ -485,6 +488,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     }
   });
 
+  phase("forward.gate_up");
   std::vector<Item> items;
   for (int e = 0; e < E_; ++e)
     if (rows_of(*sv, e))
@@ -512,12 +516,14 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     if (tp.on(e)) tp.tk->pack_nt(n, int(I), i0, ib, slot_rows(Hh, *sv, e, I), tp.at(HT, e, I));
   });
 
+  phase("forward.lora_in_down");
   if (Z[DOWN])
     for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
       lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
               per_thread + ith * tile, tile);
     });
 
+  phase("forward.down_sum");
   // Down, then the weighted sum over each token's experts, one block of BLOCK output columns per work item:
   // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
   // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
@@ -579,6 +585,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                                 " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
+  Phases phase(rt);
+  phase("backward.inputs");
   // LoRA grads of experts that got no token are zeros, or get nothing added (the others are written below).
   for (int e = 0; e < E_; ++e) {
     if (T > 0 && rows_of(sv, e)) continue;
@@ -618,6 +626,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
   bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * tile_ld(I)) : nullptr;
 
+  phase("backward.pack_dout_lora");
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
@@ -629,6 +638,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
 
   // p = dout·Wd (+ s·zb·Ad): the gradient of h before the routing weight; h recomputed from g, u.
+  phase("backward.dout_down");
   std::vector<Item> items;
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
@@ -653,6 +663,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
 
   // Per slot: d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
+  phase("backward.slots");
   std::vector<float> dws(N);
   rt.parallel_for(N, [&](long i, int) {
     float* p = P + i * I;
@@ -662,6 +673,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   });
   for (long t = 0; t < long(T) * K; ++t) gr.dw.as<float>()[t] = dws[sv.slot_of[t]];
 
+  phase("backward.pack_dg_du_lora");
   if (lora_on[GATE] || lora_on[UP] || tp.rows())
     for_routed_experts(rt, sv, E_, [&](long e, int) {
       const int n = rows_of(sv, int(e));
@@ -677,6 +689,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     });
 
   // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.
+  phase("backward.dx");
   items.clear();
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
@@ -699,8 +712,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, H, h0, hb, c, H, per_thread + ith * tile, tile);
     }
   });
+  phase("backward.dx_sum");
   combine(gr.dx, dXs, H, sv.slot_of, T, K, rt, per_thread);
 
+  phase("backward.weight_grads");
   // Weight gradients (LoRA overwritten or, where flagged, added into; base accumulated): kinds index the work
   // items of one parallel phase.
   enum { dA_DOWN, dB_DOWN, dA_GU, dB_GU, dW_DOWN, dW_GU };  // LoRA kinds first (kind < dW_DOWN)

@@ -53,6 +53,23 @@ void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int
   }
 }
 
+void Runtime::add_phase(const char* name, double seconds) {
+  std::lock_guard<std::mutex> lock(phase_mutex_);
+  for (auto& ph : phases_)
+    if (ph.first == name) {
+      ph.second += seconds;
+      return;
+    }
+  phases_.emplace_back(name, seconds);
+}
+
+std::vector<std::pair<std::string, double>> Runtime::phase_seconds(bool reset) {
+  std::lock_guard<std::mutex> lock(phase_mutex_);
+  std::vector<std::pair<std::string, double>> out = phases_;
+  if (reset) phases_.clear();
+  return out;
+}
+
 void Runtime::parallel_for(long n, const std::function<void(long, int)>& body) {
   if (n <= 0) return;
   if (n == 1) return body(0, 0);  // one item runs on one thread anyway: no hand-off (decode's T = 1 phases)

@@ -4,9 +4,12 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../kernels/kernels.h"
@@ -56,6 +59,13 @@ class Runtime {
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }
 
+  // Engine phase profile: while on, each Phase scope of a call adds its wall time under its name.
+  void set_profiling(bool on) { profiling_ = on; }
+  bool profiling() const { return profiling_; }
+  void add_phase(const char* name, double seconds);
+  // Seconds per phase name since the last reset, in the order the phases first ran.
+  std::vector<std::pair<std::string, double>> phase_seconds(bool reset);
+
   // Runs body(item) for item in [0, n) across the pool; items are handed out dynamically, and each
   // item writes only its own outputs, so results do not depend on the thread count.
   void parallel_for(long n, const std::function<void(long, int)>& body);
@@ -69,6 +79,34 @@ class Runtime {
   int tile_min_rows_ = kTileMinRows;
   std::unique_ptr<AsyncQueue> queue_;
   Scratch scratch_;
+  std::atomic<bool> profiling_{false};
+  std::mutex phase_mutex_;  // calls run on the driver thread while Python may read the profile
+  std::vector<std::pair<std::string, double>> phases_;
+};
+
+// The phases of one engine call, in sequence: ph("name") ends the running phase and starts the next, the
+// destructor ends the last. Each adds its wall time to the runtime's profile when it is on (no clock read
+// otherwise).
+class Phases {
+ public:
+  explicit Phases(Runtime& rt) : rt_(rt), on_(rt.profiling()) {}
+  ~Phases() { end(); }
+  Phases(const Phases&) = delete;
+  Phases& operator=(const Phases&) = delete;
+  void operator()(const char* name) {
+    end();
+    if (on_) name_ = name, t0_ = std::chrono::steady_clock::now();
+  }
+
+ private:
+  void end() {
+    if (name_) rt_.add_phase(name_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    name_ = nullptr;
+  }
+  Runtime& rt_;
+  const bool on_;
+  const char* name_ = nullptr;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 }  // namespace kt

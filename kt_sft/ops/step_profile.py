@@ -4,7 +4,8 @@ training forward began (one micro-batch: forward, backward and, at the end of an
 optimizer step) into the CPU experts' forward (checkpoint recomputes included) and backward, the transfers to
 and from them, the wait for the GPU work that produces their inputs, and the rest, during which neither the
 engine nor a wait for the GPU runs (optimizer, Python, data, GPU work nobody waited for). The engine and the
-GPU run in turn, so the GPU wait is what overlapping them could hide.
+GPU run in turn, so the GPU wait is what overlapping them could hide. A second line splits the engine's time into
+its phases (gate/up, down, dx, weight gradients, ...), summed over the model's layers.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from .timing import engine_seconds, reset_engine_seconds
+from .timing import engine_phases, engine_seconds, profile_engine_phases, reset_engine_seconds
 
 
 def host_rss_gib(key: str = "VmRSS") -> float:
@@ -42,11 +43,12 @@ class StepProfile:
         if self.t0 is not None:
             self.cycles += 1
             if self.cycles % self.every == 0:
-                self.report(now - self.t0, engine_seconds())
+                self.report(now - self.t0, engine_seconds(), engine_phases())
         reset_engine_seconds()
+        engine_phases(reset=True)
         self.t0 = now
 
-    def report(self, wall: float, engine: dict) -> None:
+    def report(self, wall: float, engine: dict, phases: dict) -> None:
         ms = {k: v * 1e3 for k, v in engine.items()}
         rest = wall * 1e3 - sum(ms.values())
         gpu = f"GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, " if torch.cuda.is_initialized() else ""
@@ -54,6 +56,9 @@ class StepProfile:
               f"{ms['backward']:.0f} + transfers {ms['transfer']:.0f} + GPU wait {ms['gpu']:.0f} + rest {rest:.0f} "
               f"(optimizer, Python, data); {gpu}host RSS {host_rss_gib():.1f} GiB", file=self.out or sys.stderr,
               flush=True)
+        if phases:
+            print("  engine phases (ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phases.items()),
+                  file=self.out or sys.stderr, flush=True)
 
 
 def attach_step_profile(model: nn.Module, every: int, out=None) -> StepProfile | None:
@@ -63,6 +68,7 @@ def attach_step_profile(model: nn.Module, every: int, out=None) -> StepProfile |
     if every <= 0:
         return None
     profile = StepProfile(every, out)
+    profile_engine_phases(True)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     decoder.register_forward_pre_hook(profile, with_kwargs=True)
     return profile

@@ -4,10 +4,16 @@ work that produces its inputs (gpu), for step profiles. Phases are exclusive: a 
 (the GPU wait inside a transfer) takes its time out of the outer one.
 
 Read with `engine_seconds()`, reset with `reset_engine_seconds()`; a perf_counter pair per call (~0.1 µs).
+
+Inside the engine, `profile_engine_phases(True)` makes every call add the wall time of each of its phases
+(forward.gate_up, backward.dx, ...: the work-split phases of README's "How the engine works") to a profile read
+with `engine_phases()`: two clock reads per phase, nothing while it is off.
 """
 from __future__ import annotations
 
 import time
+
+from .._ext import _C
 
 _SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0, "gpu": 0.0}
 _OPEN: list[str] = []  # the phases being timed, innermost last
@@ -39,3 +45,13 @@ def engine_seconds() -> dict:
 def reset_engine_seconds() -> None:
     for k in _SECONDS:
         _SECONDS[k] = 0.0
+
+
+def profile_engine_phases(on: bool) -> None:
+    """Turns the engine's per-phase profile on or off (it keeps what it has)."""
+    _C.set_phase_profile(on)
+
+
+def engine_phases(reset: bool = False) -> dict:
+    """Seconds per engine phase since the last reset, in the order the phases first ran (empty while off)."""
+    return dict(_C.phase_seconds(reset))

@@ -1,4 +1,5 @@
 """Threads, async submission, bad input, device moves and construction paths of the engine."""
+import time
 from dataclasses import replace
 
 import pytest
@@ -227,6 +228,29 @@ def test_step_profile_counts_engine_phases_and_transfers():
     assert all(spent[k] > 0 for k in ("forward", "backward", "transfer")) and spent["gpu"] == 0, spent  # CPU inputs
     reset_engine_seconds()
     assert not any(engine_seconds().values())
+
+
+def test_engine_phase_profile_splits_each_call_while_on():
+    shape = Shape("phases", T=16, H=32, I=16, E=4, K=2, r=3)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape)
+    timing.profile_engine_phases(True)
+    try:
+        timing.engine_phases(reset=True)
+        t0 = time.perf_counter()
+        m(x.requires_grad_(), idx, w).backward(g)
+        wall = time.perf_counter() - t0
+        phases = timing.engine_phases(reset=True)
+    finally:
+        timing.profile_engine_phases(False)
+    assert list(phases) == ["forward.route_inputs", "forward.pack_x_lora_in", "forward.gate_up",
+                            "forward.lora_in_down", "forward.down_sum", "backward.inputs", "backward.pack_dout_lora",
+                            "backward.dout_down", "backward.slots", "backward.pack_dg_du_lora", "backward.dx",
+                            "backward.dx_sum", "backward.weight_grads"], phases
+    assert all(v >= 0 for v in phases.values()) and 0 < sum(phases.values()) <= wall, (phases, wall)
+    assert timing.engine_phases() == {}  # reset, and nothing added while off:
+    m(x, idx, w)
+    assert timing.engine_phases() == {}
 
 
 def test_nested_engine_timers_are_exclusive(monkeypatch):
