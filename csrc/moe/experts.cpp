@@ -419,7 +419,7 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
   const long N = T * K;
   return size_t(2 * T * H            // x and dout as float32
                 + 4 * N * I          // h, p and (backward) dg, du; forward g, u when not saved
-                + std::max(N * H, 2L * threads * T * BLOCK)  // backward's per-slot dx; forward's down columns
+                + std::max(N * H, threads * (T + N) * BLOCK)  // backward's per-slot dx; forward's down columns
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
@@ -528,16 +528,22 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
   // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
   // back, a quarter of the phase on the GPU machine), and each token's sum runs in one fixed order (by expert).
-  // A decode step (up to kDecodeTokens tokens) streams the weights of a few experts: narrower blocks hand
-  // them out over every thread.
+  // Blocks narrow (to 16 columns) until there are two items per thread, and a decode step (up to
+  // kDecodeTokens tokens), which streams the weights of a few experts, takes 16 so every thread shares them.
   const std::vector<int> routed = routed_experts(*sv, E_);
-  const int width = T <= kDecodeTokens ? 16 : BLOCK;
-  float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * 2 * T * BLOCK);
+  int width = BLOCK;
+  while (width > 16 && (T <= kDecodeTokens || ceil_div(H, width) < 2L * rt.threads())) width /= 2;
+  // Per thread: the accumulator [T, BLOCK], then one expert's rows [n, BLOCK] (n can pass T when a token names
+  // an expert twice).
+  int most_rows = 0;
+  for (int e : routed) most_rows = std::max(most_rows, rows_of(*sv, e));
+  const long per_item = (long(T) + most_rows) * BLOCK;
+  float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * per_item);
   rt.parallel_for(ceil_div(H, width), [&](long hblk, int ith) {
     const long h0 = hblk * width;
     const int hb = int(std::min<long>(width, H - h0));
-    float* acc = rows_buf + long(ith) * 2 * T * BLOCK;  // [T, BLOCK]: this item's columns of every token
-    float* c = acc + long(T) * BLOCK;                   // [n, BLOCK]: one expert's rows
+    float* acc = rows_buf + long(ith) * per_item;
+    float* c = acc + long(T) * BLOCK;
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
     for (int e : routed) {
       const int n = rows_of(*sv, e);

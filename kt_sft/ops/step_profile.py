@@ -64,7 +64,7 @@ class StepProfile:
 def attach_step_profile(model: nn.Module, every: int, out=None) -> StepProfile | None:
     """Reports every `every` training forwards of model (0: none). The hook sits on the decoder stack that the
     causal-LM model calls as a module: under LLaMA-Factory the top-level model's `forward` is called directly
-    (PEFT's LoraModel does), which runs no hooks on it."""
+    (PEFT's LoraModel does), which runs no hooks on it. Turns the engine's phase profile on for the process."""
     if every <= 0:
         return None
     profile = StepProfile(every, out)

@@ -120,15 +120,17 @@ def test_step_profile_reports_where_training_steps_go(saved, tmp_path, monkeypat
     with torch.no_grad():
         model(ids)  # evaluation forwards are not steps
     model.train()
-    for _ in range(5):
-        model(input_ids=ids, labels=ids).loss.backward()
+    try:
+        for _ in range(5):
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        timing.profile_engine_phases(False)  # the step profile turned it on for the process
     err = capsys.readouterr().err.splitlines()
     lines = [line for line in err if line.startswith("kt_sft step")]
     assert [line.split(":")[0] for line in lines] == ["kt_sft step 2", "kt_sft step 4"]
     assert "CPU experts forward" in lines[0] and "GPU wait" in lines[0]
     phases = err[err.index(lines[0]) + 1]  # the engine's phases, summed over layers, on the next line
     assert phases.startswith("  engine phases (ms): forward.route_inputs") and "backward.dx " in phases, phases
-    timing.profile_engine_phases(False)
 
 
 def test_bad_step_profile_setting_is_named(monkeypatch):

@@ -13,6 +13,8 @@ SHAPES = [
     Shape("typical", T=40, H=64, I=48, E=8, K=2),
     Shape("experts_without_tokens", T=3, H=64, I=32, E=16, K=2),
     Shape("all_tokens_on_one_expert", T=33, H=32, I=48, E=4, K=1, routing="one"),
+    # every token names expert 0 K times: an expert gets more rows than there are tokens
+    Shape("repeated_expert_ids", T=5, H=40, I=24, E=4, K=3, routing="one"),
     Shape("k1", T=17, H=48, I=32, E=4, K=1),
     Shape("t1_decode", T=1, H=96, I=64, E=8, K=4),
     Shape("odd_h_and_i", T=19, H=37, I=29, E=5, K=3, r=3),
