@@ -15,9 +15,6 @@ namespace {
 // E·I/64 items, enough to spread a decode step's few experts over every thread.
 constexpr int BLOCK = 64;
 
-// Tokens of a call up to which it is a decode step: few rows per expert, time in streaming the weights.
-constexpr int kDecodeTokens = 8;
-
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
 // Columns per LoRA-grad work item: each item reads its column segment of every row of the expert (tokens
@@ -528,11 +525,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
   // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
   // back, a quarter of the phase on the GPU machine), and each token's sum runs in one fixed order (by expert).
-  // Blocks narrow (to 16 columns) until there are two items per thread, and a decode step (up to
-  // kDecodeTokens tokens), which streams the weights of a few experts, takes 16 so every thread shares them.
+  // Blocks narrow (to 16 columns) until there are two items per thread.
   const std::vector<int> routed = routed_experts(*sv, E_);
   int width = BLOCK;
-  while (width > 16 && (T <= kDecodeTokens || ceil_div(H, width) < 2L * rt.threads())) width /= 2;
+  while (width > 16 && ceil_div(H, width) < 2L * rt.threads()) width /= 2;
   // Per thread: the accumulator [T, BLOCK], then one expert's rows [n, BLOCK] (n can pass T when a token names
   // an expert twice).
   int most_rows = 0;

@@ -18,7 +18,7 @@ SHAPES = [
     Shape("k1", T=17, H=48, I=32, E=4, K=1),
     Shape("t1_decode", T=1, H=96, I=64, E=8, K=4),
     Shape("odd_h_and_i", T=19, H=37, I=29, E=5, K=3, r=3),
-    # a decode step (T <= 8: the down phase in 16-column blocks) whose last block is partial
+    # a decode-sized call on a narrow layer: the down phase in 16-column blocks (two per thread), the last partial
     Shape("decode_odd_h", T=6, H=45, I=29, E=6, K=2, r=3),
     Shape("single_expert", T=11, H=40, I=24, E=1, K=1),
     Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
