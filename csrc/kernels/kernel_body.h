@@ -77,6 +77,9 @@ struct Fp8Cursor {
   const uint8_t* q;  // the row's codes
   const float* sc;   // the row's block scales
   typename S::V raw(long k) const { return S::fp8_scaled(q + k); }
+  // raw(k) and raw(k + W) at once where the set decodes pairs faster (Simd::fp8_pairs).
+  static constexpr bool kPairs = S::fp8_pairs;
+  void raw2(long k, typename S::V& lo, typename S::V& hi) const { S::fp8_scaled2(q + k, lo, hi); }
   float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
   float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
 };
@@ -87,6 +90,7 @@ struct Int4Cursor {
   const uint32_t* w;  // the row's words
   const bf16* sc;     // the row's group scales
   typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
+  static constexpr bool kPairs = false;
   float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
   float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
 };
@@ -113,6 +117,13 @@ inline void widen_quantized(const Cursor& cur, long col0, long len, float* dst) 
     if constexpr (W >= 8) {
       if (c % 8 == 0) {  // vector reads start on whole INT4 words
         const V sv = Simd::set1(cur.scale(c));
+        if constexpr (Cursor::kPairs)
+          for (; c + 2 * W <= send; c += 2 * W) {
+            V lo, hi;
+            cur.raw2(c, lo, hi);
+            Simd::store(dst + (c - col0), Simd::mul(lo, sv));
+            Simd::store(dst + (c + W - col0), Simd::mul(hi, sv));
+          }
         for (; c + W <= send; c += W) Simd::store(dst + (c - col0), Simd::mul(cur.raw(c), sv));
       }
     }
@@ -212,7 +223,19 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
         VS seg[MR][NR];
         for (int i = 0; i < MR; ++i)
           for (int j = 0; j < NR; ++j) seg[i][j] = S::zero();
-        for (long k = k0; k < k1; k += S::W) {
+        long k = k0;
+        // Pairs of vectors where the set decodes them together: each lane's chain still takes k, then k + W.
+        if constexpr (Cursor::kPairs)
+          for (; k + 2 * S::W <= k1; k += 2 * S::W) {
+            VS av[MR], av2[MR];
+            for (int i = 0; i < MR; ++i) av[i] = S::load(a[i] + k), av2[i] = S::load(a[i] + k + S::W);
+            for (int j = 0; j < NR; ++j) {
+              VS w, w2;
+              cur[j].raw2(k, w, w2);
+              for (int i = 0; i < MR; ++i) seg[i][j] = S::fma(av2[i], w2, S::fma(av[i], w, seg[i][j]));
+            }
+          }
+        for (; k < k1; k += S::W) {
           VS av[MR];
           for (int i = 0; i < MR; ++i) av[i] = S::load(a[i] + k);
           for (int j = 0; j < NR; ++j) {

@@ -21,6 +21,7 @@ struct Simd {
     h = _mm256_add_epi16(h, _mm256_and_si256(h, _mm256_set1_epi16(0x4000)));  // sign from bit 14 to bit 15
     return _mm512_cvtph_ps(h);
   }
+  static constexpr bool fp8_pairs = false;  // 16 codes already fill the 256-bit integer steps
   // The W = 16 nibbles of two int32 words, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(int(p[0]))), _mm256_set1_epi32(int(p[1])), 1);

@@ -9,6 +9,7 @@ namespace {
 struct Simd {
   using V = float;
   static constexpr int W = 1;
+  static constexpr bool fp8_pairs = false;
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
