@@ -721,14 +721,17 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   // Weight gradients (LoRA overwritten or, where flagged, added into; base accumulated): kinds index the work
   // items of one parallel phase.
   enum { dA_DOWN, dB_DOWN, dA_GU, dB_GU, dW_DOWN, dW_GU };  // LoRA kinds first (kind < dW_DOWN)
+  auto wants_dA = [&](int p) { return lora_on[p] && !gr.dA[p].empty(); };
   items.clear();
   for (int e = 0; e < E_; ++e) {
     if (!rows_of(sv, e)) continue;
     for (int p = 0; p < 3; ++p) {
       if (!lora_on[p]) continue;
       const long nb_in = ceil_div(in[p], LORA_GRAD_BLOCK), nb_out = ceil_div(outd[p], LORA_GRAD_BLOCK);
-      if (!gr.dA[p].empty())
-        for (int b = 0; b < nb_in; ++b) items.push_back({p == DOWN ? dA_DOWN : dA_GU + 16 * p, e, b});
+      // Gate's and up's A grads read the same columns of the same x rows: one item computes both (the second
+      // product finds the rows in cache), listed at gate's place, or up's when gate has none.
+      if (!gr.dA[p].empty() && (p != UP || !wants_dA(GATE)))
+        for (int b = 0; b < nb_in; ++b) items.push_back({p == DOWN ? dA_DOWN : dA_GU, e, b});
       if (!gr.dB[p].empty())
         for (int b = 0; b < nb_out; ++b) items.push_back({p == DOWN ? dB_DOWN : dB_GU + 16 * p, e, b});
     }
@@ -758,10 +761,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r, gr.acc_B[DOWN]);
         break;
       }
-      case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] drop(x)[m, h]
+      case dA_GU: {  // dAp[j, h] = s Σ_m wz[m, j] drop(x)[m, h], for gate and up
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, H - c0));
-        lora_dA(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, nullptr, gathered(xrows, sv, e), c0, cb,
-                gr.dA[p].as<float>() + long(e) * r * H + c0, H, gr.acc_A[p], tmp, tile);
+        for (int q = GATE; q <= UP; ++q)
+          if (wants_dA(q))
+            lora_dA(ks, lora, q, sv, e, wz[q] + sv.offset[e] * r, nullptr, gathered(xrows, sv, e), c0, cb,
+                    gr.dA[q].as<float>() + long(e) * r * H + c0, H, gr.acc_A[q], tmp, tile);
         break;
       }
       case dB_GU: {  // dBp[i, j] = s Σ_m zp[m, j] dp[m, i], computed as [j, i] then transposed

@@ -63,6 +63,27 @@ def test_lora_parity_fp32(kernels, shape, lora):
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
 
 
+@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
+def test_lora_grads_of_some_projections(kernels, case):
+    # Gate's and up's A grads share a work item: each must come out right when the other has none.
+    shape = SHAPES[0]
+    m = make_module(shape, lora=False)
+    m.add_lora(shape.r, alpha=2.0 * shape.r, projections=("up", "down") if case == "up_and_down_only" else
+               ("gate", "up", "down"))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in m.lora_B["default"].values():
+            p.normal_(0, 0.05, generator=gen)
+    if case == "gate_A_frozen":
+        m.lora_A["default"]["gate"].requires_grad_(False)
+    x, idx, w, g = inputs(shape)
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    if case == "gate_A_frozen":
+        assert got.pop("dA_gate") is None
+        ref.pop("dA_gate")
+    check(got, ref, FP32_IO, shape)
+
+
 @pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: s.name)
 def test_full_mode_parity(kernels, shape):
     m = make_module(shape, lora=True, train_base=True)
