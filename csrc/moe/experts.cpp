@@ -194,8 +194,7 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
   return tp;
 }
 
-// body(e, ith) for the experts that have rows in this call: the others have nothing to do (at decode 120 of
-// Qwen3's 128), and handing each out would still cost the pool an atomic increment.
+// The experts that have rows in this call, in order.
 std::vector<int> routed_experts(const Saved& sv, int E) {
   std::vector<int> routed;
   for (int e = 0; e < E; ++e)
@@ -203,6 +202,8 @@ std::vector<int> routed_experts(const Saved& sv, int E) {
   return routed;
 }
 
+// body(e, ith) for the experts that have rows in this call: the others have nothing to do (at decode 120 of
+// Qwen3's 128), and handing each out would still cost the pool an atomic increment.
 template <class Body>
 void for_routed_experts(Runtime& rt, const Saved& sv, int E, Body body) {
   const std::vector<int> routed = routed_experts(sv, E);
@@ -491,6 +492,19 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     if (rows_of(*sv, e))
       for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
   const bool bf16_act = x.dtype == DType::bf16;
+  // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
+  // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
+  // on their float32 rows `act`.
+  auto project = [&](int e, int p, long row0, int cols, int K, const bf16* tiles, Rows<float> act, float* c,
+                     long ldc) {
+    const int n = rows_of(*sv, e);
+    with_rows(e, p, row0, [&](const auto& rows) {
+      if (tp.on(e))
+        run_tile(*tp.tk, tile_nt(n, cols, K, tiles, rows, c, ldc));
+      else
+        run_nt(ks, weight_nt(n, cols, K, act, rows, c, ldc), bf16_act);
+    });
+  };
   rt.parallel_for(long(items.size()), [&](long it, int) {
     const int e = items[it].e, n = rows_of(*sv, e);
     const long i0 = long(items[it].block) * BLOCK;
@@ -498,12 +512,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      with_rows(e, p, i0, [&](const auto& rows) {
-        if (tp.on(e))
-          run_tile(*tp.tk, tile_nt(n, ib, int(H), tp.at(XT, e, H), rows, c, I));
-        else
-          run_nt(ks, weight_nt(n, ib, int(H), gathered(xrows, *sv, e), rows, c, I), bf16_act);
-      });
+      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
     for (int m = 0; m < n; ++m) {
@@ -543,12 +552,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
     for (int e : routed) {
       const int n = rows_of(*sv, e);
-      with_rows(e, DOWN, h0, [&](const auto& rows) {
-        if (tp.on(e))
-          run_tile(*tp.tk, tile_nt(n, hb, int(I), tp.at(HT, e, I), rows, c, BLOCK));
-        else
-          run_nt(ks, weight_nt(n, hb, int(I), slot_rows(Hh, *sv, e, I), rows, c, BLOCK), bf16_act);
-      });
+      project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK);
       if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
       for (int m = 0; m < n; ++m) {
         const long s = sv->offset[e] + m;
