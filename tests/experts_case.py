@@ -45,7 +45,9 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
         m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), train_base=train_base)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
-        with torch.no_grad():  # non-zero B so every LoRA path contributes
+        with torch.no_grad():  # A drawn here too (add_lora's init uses the global RNG, which differs between runs
+            for p in m.lora_A["default"].values():  # of the suite), and non-zero B so every LoRA path contributes
+                p.uniform_(-1, 1, generator=gen).mul_(p.shape[-1] ** -0.5)
             for p in m.lora_B["default"].values():
                 p.normal_(0, 0.05, generator=gen)
     return m

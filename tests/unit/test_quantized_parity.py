@@ -7,7 +7,7 @@ import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import SHAPES as BF16_SHAPES
 from test_experts_parity import check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
-from tolerances import BF16_IO, QUANTIZED_IO, for_kernels
+from tolerances import BF16_DOT, BF16_DOT_DW, BF16_IO, QUANTIZED_IO, for_quantized_kernels, rel_l2
 
 FORMATS = ["fp8", "int4"]
 
@@ -40,7 +40,7 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got = run_engine(m, x, idx, w, g)
     assert got["y"].dtype == torch.bfloat16
-    check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
+    check(got, run_reference(m, x, idx, w, g), for_quantized_kernels(kernels, BF16_IO, bf16_activations=True), shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -49,7 +49,23 @@ def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
     m = make_module(shape, lora=True, expert_format=fmt)
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_kernels("amx", BF16_IO, bf16_activations=True), shape)
+          for_quantized_kernels("amx", BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_weight_rounding_stays_within_the_tile_bounds(fmt):
+    # The tile products round decoded FP8/INT4 weights to BF16: that rounding alone (the float64 reference rerun
+    # on the rounded weights) must leave half of each bound the tile tests allow, or the bounds are too tight.
+    for shape in SHAPES:
+        m = make_module(shape, lora=True, expert_format=fmt)
+        x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+        exact = run_reference(m, x, idx, w, g)
+        gu, dn = m.base_weights()
+        m.base_weights = lambda: (gu.bfloat16().double(), dn.bfloat16().double())
+        rounded = run_reference(m, x, idx, w, g)
+        for key, ref in exact.items():
+            bound = BF16_DOT_DW if key == "dw" else BF16_DOT
+            assert rel_l2(rounded[key], ref) <= bound / 2, f"{shape.name}: {key}"
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
