@@ -85,6 +85,14 @@ struct GemmNN {
 inline long tile_rows(long M) { return (M + 15) / 16 * 16; }
 inline long tile_ld(long K) { return (K + 31) / 32 * 32; }
 
+// What the thread of a tile product computes next, as bytes the product requests into L2 while its tile
+// products run (`rows` runs of `len` bytes, `stride` bytes apart, from p; none when rows is 0): the next
+// product's weight rows then come from L2 instead of stalling its first pass on memory.
+struct Upcoming {
+  const char* p = nullptr;
+  long stride = 0, len = 0, rows = 0;
+};
+
 // C[m, n] (+)= Σ_k A[m, k] · B[n, k], A in the nt layout.
 template <class TB>
 struct TileNT {
@@ -94,6 +102,7 @@ struct TileNT {
   float* c;
   long ldc;
   bool accumulate;
+  Upcoming next;
 };
 
 // C[m, n] (+)= Σ_k A[m, k] · B[k, b_off + n], A in the nn layout.
@@ -106,6 +115,7 @@ struct TileNN {
   float* c;
   long ldc;
   bool accumulate;
+  Upcoming next;
 };
 
 struct TileKernels {

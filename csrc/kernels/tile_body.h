@@ -92,6 +92,18 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
   }
 }
 
+// Share `at` of `total` of the next product's lines (u; a partial first or last line of a run counted whole),
+// requested into L2: a product asks for one share per reduction step, so the requests spread over its run.
+inline void request_share(const kt::Upcoming& u, long at, long total) {
+  if (!u.rows) return;
+  const long per = (u.len + 63) / 64 + ((reinterpret_cast<uintptr_t>(u.p) | uintptr_t(u.stride)) % 64 != 0);
+  const long lines = u.rows * per;
+  for (long l = at * lines / total, end = (at + 1) * lines / total; l < end; ++l) {
+    const uintptr_t run = reinterpret_cast<uintptr_t>(u.p + (l / per) * u.stride) & ~uintptr_t(63);
+    _mm_prefetch(reinterpret_cast<const char*>(run + (l % per) * 64), _MM_HINT_T1);
+  }
+}
+
 // Stores one 16×16 result tile `t` (row-major, as the tile unit writes it) to C at (m0, n0), keeping the
 // mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
 void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate) {
@@ -181,7 +193,9 @@ void tile_nt(const TileNT<TB>& g) {
   // pair computes, so that the pass that first reads them does not wait on memory.
   const bool in_place = w != panel.data();
   const long row_lines = (g.K * 2 + 63) / 64;
+  // The next product's bytes (g.next) are requested likewise, spread over all the steps of this one.
   auto ahead = [&](int i, long step, long steps) {
+    request_share(g.next, long(i / 2) * steps + step, long((IB + 1) / 2) * steps);
     const int next = i + 2;
     if (!in_place || next >= IB) return;
     const long rows = std::min(2 * TR, int(g.N) - next * TR), lines = rows * row_lines;
@@ -237,10 +251,14 @@ void tile_nn(const TileNN<TB>& g) {
       }
     }
   };
+  // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over its steps.
+  const int IB = int(kt::tile_rows(g.M) / TR);
+  auto ahead = [&](int i, long step, long steps) {
+    request_share(g.next, long(i / 2) * steps + step, long((IB + 1) / 2) * steps);
+  };
   tile_blocks<Tiles>(
-      int(kt::tile_rows(g.M) / TR), int(np / TR), KC, ld * 2, TBYTES,
-      [&](int i, int kc) { return g.a + long(i) * TR * ld + kc * TC; },
-      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, [](int, long, long) {},
+      IB, int(np / TR), KC, ld * 2, TBYTES, [&](int i, int kc) { return g.a + long(i) * TR * ld + kc * TC; },
+      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                  g.accumulate);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "runtime.h"
 
@@ -216,12 +217,13 @@ GemmNT<T> weight_nt(int M, int N, int K, Rows<float> a, Rows<T> b, float* c, lon
   return GemmNT<T>{M, N, K, a, b, c, ldc, 1.f, false};
 }
 template <class T>
-TileNT<T> tile_nt(int M, int N, int K, const bf16* a, Rows<T> b, float* c, long ldc) {
-  return TileNT<T>{M, N, K, a, b, c, ldc, false};
+TileNT<T> tile_nt(int M, int N, int K, const bf16* a, Rows<T> b, float* c, long ldc, const Upcoming& next) {
+  return TileNT<T>{M, N, K, a, b, c, ldc, false, next};
 }
 template <class T>
-TileNN<T> tile_nn(int M, int N, int K, const bf16* a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
-  return TileNN<T>{M, N, K, a, b, b_off, c, ldc, accumulate};
+TileNN<T> tile_nn(int M, int N, int K, const bf16* a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate,
+                  const Upcoming& next) {
+  return TileNN<T>{M, N, K, a, b, b_off, c, ldc, accumulate, next};
 }
 template <class T>
 GemmNN<T> weight_nn(int M, int N, int K, Rows<float> a, Rows<T> b, long b_off, float* c, long ldc, bool accumulate) {
@@ -398,6 +400,20 @@ void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
   }
 }
 
+// BF16 rows are left out: read in place (dot form) or a reduction block ahead while packed (axpy form), they
+// measured no faster requested a product ahead on the GPU machine, and the forward slower.
+Upcoming MoeExperts::upcoming(int e, int p, long row0, long rows, long col0, long cols) const {
+  Upcoming u;
+  with_rows(e, p, row0, [&](const auto& b) {
+    using TB = std::decay_t<decltype(b)>;
+    if constexpr (std::is_same_v<TB, Rows<fp8_block>>)
+      u = {reinterpret_cast<const char*>(b.q + b.row0 * b.ld + col0), b.ld, cols, rows};
+    else if constexpr (std::is_same_v<TB, Rows<int4_group>>)
+      u = {reinterpret_cast<const char*>(b.words + b.row0 * b.ld) + col0 / 2, b.ld * 4, (cols + 1) / 2, rows};
+  });
+  return u;
+}
+
 void MoeExperts::check_lora(const Lora& lora) const {
   if (!(lora.dropout.p >= 0.f && lora.dropout.p < 1.f))
     throw std::invalid_argument("LoRA dropout must be in [0, 1), got " + std::to_string(lora.dropout.p) + ".");
@@ -494,25 +510,31 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   const bool bf16_act = x.dtype == DType::bf16;
   // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
   // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
-  // on their float32 rows `act`.
+  // on their float32 rows `act`. The tile product requests `next`, the weights of the thread's next product.
   auto project = [&](int e, int p, long row0, int cols, int K, const bf16* tiles, Rows<float> act, float* c,
-                     long ldc) {
+                     long ldc, const Upcoming& next) {
     const int n = rows_of(*sv, e);
     with_rows(e, p, row0, [&](const auto& rows) {
       if (tp.on(e))
-        run_tile(*tp.tk, tile_nt(n, cols, K, tiles, rows, c, ldc));
+        run_tile(*tp.tk, tile_nt(n, cols, K, tiles, rows, c, ldc, next));
       else
         run_nt(ks, weight_nt(n, cols, K, act, rows, c, ldc), bf16_act);
     });
   };
-  rt.parallel_for(long(items.size()), [&](long it, int) {
+  // Gate's rows of a block, then up's; the next item's gate rows after them.
+  auto gate_up_rows = [&](long it, int p) {
+    const long i0 = long(items[it].block) * BLOCK;
+    return upcoming(items[it].e, p, i0, std::min<long>(BLOCK, I - i0), 0, H);
+  };
+  rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int) {
     const int e = items[it].e, n = rows_of(*sv, e);
     const long i0 = long(items[it].block) * BLOCK;
     const int ib = int(std::min<long>(BLOCK, I - i0));
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I);
+      const Upcoming next = p == GATE ? gate_up_rows(it, UP) : next_it >= 0 ? gate_up_rows(next_it, GATE) : Upcoming{};
+      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
     for (int m = 0; m < n; ++m) {
@@ -544,15 +566,21 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   for (int e : routed) most_rows = std::max(most_rows, rows_of(*sv, e));
   const long per_item = (long(T) + most_rows) * BLOCK;
   float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * per_item);
-  rt.parallel_for(ceil_div(H, width), [&](long hblk, int ith) {
+  // Down's rows of a column block for one expert; the item's next expert, or the next item's first, after them.
+  auto down_rows = [&](long hblk, size_t at) {
+    const long h0 = hblk * width;
+    return upcoming(routed[at], DOWN, h0, std::min<long>(width, H - h0), 0, I);
+  };
+  rt.parallel_for_ahead(ceil_div(H, width), [&](long hblk, long next_blk, int ith) {
     const long h0 = hblk * width;
     const int hb = int(std::min<long>(width, H - h0));
     float* acc = rows_buf + long(ith) * per_item;
     float* c = acc + long(T) * BLOCK;
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
-    for (int e : routed) {
-      const int n = rows_of(*sv, e);
-      project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK);
+    for (size_t at = 0; at < routed.size(); ++at) {
+      const int e = routed[at], n = rows_of(*sv, e);
+      const Upcoming next = at + 1 < routed.size() ? down_rows(hblk, at + 1) : next_blk >= 0 ? down_rows(next_blk, 0) : Upcoming{};
+      project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK, next);
       if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
       for (int m = 0; m < n; ++m) {
         const long s = sv->offset[e] + m;
@@ -649,14 +677,24 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(I, nn_width(tp, e, H)); ++b) items.push_back({0, e, b});
-  rt.parallel_for(long(items.size()), [&](long it, int ith) {
+  // The weight panel of an item (rows of projection p, its block of columns), to request while the thread's
+  // current product runs: only where both panels fit in half of L2 beside the activations (at Layer Q the dx
+  // panels, K = I; dout·W_down's, K = H, got slower requested, or narrowed to fit, on the GPU machine).
+  auto panel_of = [&](long it, int p, long out, long K) {
+    const int e = items[it].e, width = nn_width(tp, e, K);
+    const long c0 = long(items[it].block) * width;
+    if (K * width * 2 > (1L << 19)) return Upcoming{};
+    return upcoming(e, p, 0, K, c0, std::min<long>(width, out - c0));
+  };
+  rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
     const int e = items[it].e, n = rows_of(sv, e), width = nn_width(tp, e, H);
     const long i0 = long(items[it].block) * width;
     const int ib = int(std::min<long>(width, I - i0));
     float* c = P + sv.offset[e] * I + i0;
     with_rows(e, DOWN, 0, [&](const auto& rows) {
       if (tp.on(e))
-        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at(DT, e, H), rows, i0, c, I, false));
+        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at(DT, e, H), rows, i0, c, I, false,
+                                 next_it >= 0 ? panel_of(next_it, DOWN, I, H) : Upcoming{}));
       else
         run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
@@ -700,7 +738,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(H, nn_width(tp, e, I)); ++b) items.push_back({0, e, b});
-  rt.parallel_for(long(items.size()), [&](long it, int ith) {
+  rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
     const int e = items[it].e, n = rows_of(sv, e), width = nn_width(tp, e, I);
     const long h0 = long(items[it].block) * width;
     const int hb = int(std::min<long>(width, H - h0));
@@ -708,9 +746,11 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     float* dgu[2] = {dG, dU};
     const bf16* dgu_t[2] = {GT, UT};
     for (int p = GATE; p <= UP; ++p) {
+      // Gate's panel, then up's of the same columns, then the next item's gate panel.
+      const Upcoming next = p == GATE ? panel_of(it, UP, H, I) : next_it >= 0 ? panel_of(next_it, GATE, H, I) : Upcoming{};
       with_rows(e, p, 0, [&](const auto& rows) {
         if (tp.on(e))
-          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at(dgu_t[p], e, I), rows, h0, c, H, p == UP));
+          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at(dgu_t[p], e, I), rows, h0, c, H, p == UP, next));
         else
           run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });

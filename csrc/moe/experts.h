@@ -16,6 +16,7 @@
 #include <memory>
 #include <vector>
 
+#include "../kernels/kernels.h"
 #include "lora_dropout.h"
 #include "saved_pool.h"
 #include "view.h"
@@ -93,6 +94,9 @@ class MoeExperts {
   // row 0 being the projection's row `row0`.
   template <class F>
   void with_rows(int e, int p, long row0, F&& f) const;
+  // Expert e's rows [row0, row0 + rows) of projection p, columns [col0, col0 + cols), as the bytes (their
+  // codes) that a tile product requests ahead for the product its thread runs next; none for BF16 weights.
+  Upcoming upcoming(int e, int p, long row0, long rows, long col0, long cols) const;
   int E_, H_, I_;
   Format format_;
   ExpertWeights w_;

@@ -79,4 +79,17 @@ void Runtime::parallel_for(long n, const std::function<void(long, int)>& body) {
   });
 }
 
+void Runtime::parallel_for_ahead(long n, const std::function<void(long, long, int)>& body) {
+  if (n <= 0) return;
+  if (n == 1) return body(0, -1, 0);
+  std::atomic<long> next{0};
+  pool_->run([&](int ith, int) {
+    for (long i = next.fetch_add(1); i < n;) {
+      const long after = next.fetch_add(1);
+      body(i, after < n ? after : -1, ith);
+      i = after;
+    }
+  });
+}
+
 }  // namespace kt

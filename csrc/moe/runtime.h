@@ -69,6 +69,9 @@ class Runtime {
   // Runs body(item) for item in [0, n) across the pool; items are handed out dynamically, and each
   // item writes only its own outputs, so results do not depend on the thread count.
   void parallel_for(long n, const std::function<void(long, int)>& body);
+  // The same, each thread taking its next item before it runs the current one: body(item, next, thread) knows
+  // the item it runs next (-1 when none) and can request that item's memory while it computes.
+  void parallel_for_ahead(long n, const std::function<void(long, long, int)>& body);
 
  private:
   Runtime();
