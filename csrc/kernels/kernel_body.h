@@ -81,6 +81,8 @@ struct Fp8Cursor {
   static constexpr bool kPairs = S::fp8_pairs;
   void raw2(long k, typename S::V& lo, typename S::V& hi) const { S::fp8_scaled2(q + k, lo, hi); }
   float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
+  const char* codes() const { return reinterpret_cast<const char*>(q); }
+  static long code_bytes(long K) { return K; }
   float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
 };
 
@@ -92,6 +94,8 @@ struct Int4Cursor {
   typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
   static constexpr bool kPairs = false;
   float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
+  const char* codes() const { return reinterpret_cast<const char*>(w); }
+  static long code_bytes(long K) { return (K + 1) / 2; }
   float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
 };
 
@@ -209,8 +213,17 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
   const long kv = g.K - g.K % S::W;
   for (int n0 = 0; n0 < g.N; n0 += NR) {
     const int nr = std::min(NR, g.N - n0);
-    Cursor cur[NR];
+    Cursor cur[NR], next[NR];
+    const int nn = std::min(NR, g.N - n0 - NR);  // rows of the next block
     for (int j = 0; j < NR; ++j) cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
+    for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
+    // The next block's codes are requested while this one computes, a share per segment: quantized rows (1-2 KB
+    // at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on the first
+    // lines of every row (the instructions after the code loads took most of its samples on the dev machine).
+    const long row_lines = (Cursor::code_bytes(g.K) + 63) / 64, segments = (kv + Cursor::SEG - 1) / Cursor::SEG;
+    const long per_segment = segments ? (std::max(nn, 0) * row_lines + segments - 1) / segments : 0;
+    int req_row = 0;    // the next line to request: row of the next block,
+    long req_line = 0;  // and line within it
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const float* a[MR];
@@ -220,6 +233,10 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
         for (int j = 0; j < NR; ++j) acc[i][j] = S::zero();
       for (long k0 = 0; k0 < kv; k0 += Cursor::SEG) {
         const long k1 = std::min<long>(k0 + Cursor::SEG, kv);
+        for (long l = 0; l < per_segment && req_row < nn; ++l) {
+          __builtin_prefetch(next[req_row].codes() + req_line * 64);
+          if (++req_line == row_lines) req_line = 0, ++req_row;
+        }
         VS seg[MR][NR];
         for (int i = 0; i < MR; ++i)
           for (int j = 0; j < NR; ++j) seg[i][j] = S::zero();
