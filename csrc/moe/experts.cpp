@@ -533,7 +533,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      const Upcoming next = p == GATE ? gate_up_rows(it, UP) : next_it >= 0 ? gate_up_rows(next_it, GATE) : Upcoming{};
+      const Upcoming next = p == GATE     ? gate_up_rows(it, UP)
+                            : next_it >= 0 ? gate_up_rows(next_it, GATE)
+                                           : Upcoming{};
       project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
@@ -579,7 +581,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
     for (size_t at = 0; at < routed.size(); ++at) {
       const int e = routed[at], n = rows_of(*sv, e);
-      const Upcoming next = at + 1 < routed.size() ? down_rows(hblk, at + 1) : next_blk >= 0 ? down_rows(next_blk, 0) : Upcoming{};
+      const Upcoming next = at + 1 < routed.size() ? down_rows(hblk, at + 1)
+                            : next_blk >= 0        ? down_rows(next_blk, 0)
+                                                   : Upcoming{};
       project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK, next);
       if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
       for (int m = 0; m < n; ++m) {
@@ -747,7 +751,9 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const bf16* dgu_t[2] = {GT, UT};
     for (int p = GATE; p <= UP; ++p) {
       // Gate's panel, then up's of the same columns, then the next item's gate panel.
-      const Upcoming next = p == GATE ? panel_of(it, UP, H, I) : next_it >= 0 ? panel_of(next_it, GATE, H, I) : Upcoming{};
+      const Upcoming next = p == GATE     ? panel_of(it, UP, H, I)
+                            : next_it >= 0 ? panel_of(next_it, GATE, H, I)
+                                           : Upcoming{};
       with_rows(e, p, 0, [&](const auto& rows) {
         if (tp.on(e))
           run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at(dgu_t[p], e, I), rows, h0, c, H, p == UP, next));
