@@ -176,11 +176,12 @@ struct TilePlan {
 // Output columns of a backward axpy-form work item (dy·W, reduction over K weight rows) of expert e. On the
 // tile unit the item packs its weight panel, a segment of each of the K rows: wider items read longer
 // contiguous segments (the rows lie a page or more apart) while the packed panel (K × width BF16) stays
-// within 1 MB of the core's L2 for its reuse by every 32-row block of activations.
+// within kPanelBytes of the core's L2 for its reuse by every 32-row block of activations.
+constexpr long kPanelBytes = 1L << 20;
 int nn_width(const TilePlan& tp, int e, long K) {
   if (tp.on(e))
     for (int width : {256, 128})
-      if (K * width * 2 <= (1L << 20)) return width;
+      if (K * width * 2 <= kPanelBytes) return width;
   return BLOCK;
 }
 
@@ -682,12 +683,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(I, nn_width(tp, e, H)); ++b) items.push_back({0, e, b});
   // The weight panel of an item (rows of projection p, its block of columns), to request while the thread's
-  // current product runs: only where both panels fit in half of L2 beside the activations (at Layer Q the dx
+  // current product runs: only where this panel and the next fit together in kPanelBytes (at Layer Q the dx
   // panels, K = I; dout·W_down's, K = H, got slower requested, or narrowed to fit, on the GPU machine).
   auto panel_of = [&](long it, int p, long out, long K) {
     const int e = items[it].e, width = nn_width(tp, e, K);
     const long c0 = long(items[it].block) * width;
-    if (K * width * 2 > (1L << 19)) return Upcoming{};
+    if (2 * K * width * 2 > kPanelBytes) return Upcoming{};
     return upcoming(e, p, 0, K, c0, std::min<long>(width, out - c0));
   };
   rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
