@@ -33,8 +33,10 @@ struct Simd {
   static V int4_values(const uint32_t* p) {
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(int(p[0]))), _mm256_set1_epi32(int(p[1])), 1);
     const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    w = _mm512_and_si512(_mm512_srlv_epi32(w, shifts), _mm512_set1_epi32(15));
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(w, _mm512_set1_epi32(8)));
+    // A table lookup reads only the low 4 bits of each index lane, the nibble itself: it masks, subtracts 8
+    // and converts in one step.
+    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, shifts), values);
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
