@@ -31,10 +31,10 @@ def qwen3_30b_a3b(layers: int) -> transformers.Qwen3MoeConfig:
 
 @contextlib.contextmanager
 def quick_expert_init(min_numel: int = 1 << 26):
-    """Tensor.normal_ on tensors of at least min_numel elements (the routed experts' stacks) repeats one block
-    drawn with the same mean and std instead of drawing every value: 48 layers build in seconds rather than
-    minutes of single-threaded sampling, and neither the engine's speed nor the routing (the router's weights are
-    drawn in full) depends on the experts' values."""
+    """Tensor.normal_ on tensors of at least min_numel elements (the routed experts' stacks, the embeddings)
+    repeats one block drawn with the same mean and std instead of drawing every value: 48 layers build in seconds
+    rather than minutes of single-threaded sampling, and neither the engine's speed nor the routing (the router's
+    and attention's weights are drawn in full) depends on those values."""
     draw = torch.Tensor.normal_
 
     def normal_(t, mean=0.0, std=1.0, *, generator=None):
@@ -66,7 +66,7 @@ def main():
                     help="AdamW as the trainers' default `adamw_torch_fused` builds it, or `adamw_torch`'s (per-tensor "
                          "loops: slow over the CPU experts' LoRA states)")
     ap.add_argument("--quick-init", action="store_true",
-                    help="fill the routed experts by repeating one random block (seconds instead of minutes at 48 layers)")
+                    help="fill the experts and embeddings by repeating one random block (seconds instead of minutes at 48 layers)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.perf_counter()
