@@ -66,7 +66,8 @@ def main():
                     help="AdamW as the trainers' default `adamw_torch_fused` builds it, or `adamw_torch`'s (per-tensor "
                          "loops: slow over the CPU experts' LoRA states)")
     ap.add_argument("--quick-init", action="store_true",
-                    help="fill the experts and embeddings by repeating one random block (seconds instead of minutes at 48 layers)")
+                    help="fill the experts and embeddings by repeating one random block (seconds, not minutes, at 48 "
+                         "layers)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.perf_counter()
