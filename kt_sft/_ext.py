@@ -6,6 +6,8 @@ Environment variables (the only ones kt_sft reads, all here):
                   CPU has it and the OS grants its tile state, else avx512, else avx2)
   KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
   KT_SFT_PROFILE  N > 0: models loaded through `kt-sft prepare` print a step profile every N training forwards
+  KT_SFT_RECOMPUTE_EXPERTS  1: gradient checkpointing's recompute runs the CPU experts again instead of taking
+                  the pass their first forward kept (kt_sft/ops/kept_forward.py; saves host RAM)
 """
 from __future__ import annotations
 
@@ -71,6 +73,11 @@ def profile_every() -> int:
     except ValueError:
         raise ValueError(f"KT_SFT_PROFILE={value!r} is not a whole number; set it to N > 0 for a step profile "
                          "line every N training forwards, or 0 for none.") from None
+
+
+def recompute_experts() -> bool:
+    """KT_SFT_RECOMPUTE_EXPERTS=1: read on every call, so that it can change between runs in one process."""
+    return os.environ.get("KT_SFT_RECOMPUTE_EXPERTS") == "1"
 
 
 def _configure_from_env() -> None:

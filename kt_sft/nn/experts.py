@@ -20,6 +20,7 @@ from torch import nn
 from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
+from ..ops.kept_forward import KeptForward, keeps_forward, matches, own, setting_of
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -177,6 +178,12 @@ class KTExperts(nn.Module):
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
 
+    def take_kept(self, xc, idx, w, setting) -> KeptForward | None:
+        """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
+        nothing stays kept."""
+        kept = self.__dict__.pop("_kept", None)
+        return kept if kept is not None and matches(kept, xc, idx, w, setting) else None
+
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -221,8 +228,15 @@ class KTExperts(nn.Module):
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
-            out, _ = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=False, device=hidden_states.device,
-                                 dropout=dropout)
+            keep = keeps_forward(self.training)  # gradient checkpointing's first pass, most likely
+            out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
+                                     dropout=dropout)
+            self.__dict__["_kept"] = None
+            if keep:
+                inputs = own(xc, hidden_states), own(idx, top_k_index), own(w, top_k_weights)
+                self.__dict__["_kept"] = KeptForward(*inputs, setting_of(self, lora, (r, scale, dropout)), out, saved)
+                if hidden_states.device.type == "cpu":  # to_caller would hand out the kept result itself
+                    out = out.clone()
             return to_caller(out, hidden_states.device, hidden_states.dtype)
         return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
                                      self.gate_up_proj, self.down_proj, *lora)

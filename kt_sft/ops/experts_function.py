@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._ext import view
+from .kept_forward import setting_of
 from .timing import engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
@@ -81,8 +82,12 @@ class ExpertsFunction(torch.autograd.Function):
         """lora: (r, scale, (dropout p, seed))."""
         xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
         r, scale, dropout = lora
-        out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, device=x.device,
-                                 dropout=dropout)
+        kept = module.take_kept(xc, idx, w, setting_of(module, lora_params, lora))  # gradient checkpointing's recompute
+        if kept is not None:
+            out, saved = kept.out, kept.saved
+        else:
+            out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, device=x.device,
+                                     dropout=dropout)
         ctx.module = module
         ctx.lora = lora
         ctx.saved = saved

@@ -1,21 +1,27 @@
 """Gradient checkpointing (LLaMA-Factory's default) gives the same gradients as without it.
 
-Policy (README "Gradient checkpointing"): a checkpointed layer reruns its forward in backward, the routed
-experts included. Reentrant checkpointing runs the first forward without grad, so the engine saves nothing
-then; non-reentrant keeps the engine's saved g/u from the first forward until backward.
+Policy (README "Gradient checkpointing"): a checkpointed layer reruns its forward in backward. Reentrant
+checkpointing runs the first forward without grad: the engine keeps that pass, and the recompute takes it
+(kt_sft/ops/kept_forward.py) unless KT_SFT_RECOMPUTE_EXPERTS=1; non-reentrant keeps the engine's saved g/u from
+the first forward until backward.
 """
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+import kt_sft.nn.experts as experts_module
+import kt_sft.ops.experts_function as function_module
 from kt_sft.models import use_cpu_experts
+from kt_sft import KTExperts
 from tiny_models import tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
-def grads(gc_kwargs, dropout=0.0):
+def grads(gc_kwargs, dropout=0.0, engine_layers=None, device="cpu"):
     model = tiny_model("qwen3_moe")
     use_cpu_experts(model)
+    if engine_layers is not None:
+        engine_layers.append(sum(isinstance(m, KTExperts) for m in model.modules()))
     torch.manual_seed(3)
     model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
@@ -25,7 +31,8 @@ def grads(gc_kwargs, dropout=0.0):
     if gc_kwargs is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
         model.enable_input_require_grads()
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.to(device)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     model(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -39,4 +46,24 @@ def test_checkpointing_gives_same_gradients(use_reentrant, dropout):
     ckpt = grads({"use_reentrant": use_reentrant}, dropout)
     assert any("experts.lora_A" in n for n in plain)
     for name, g in plain.items():
-        assert rel_l2(ckpt[name], g) <= FP32_IO, name
+        assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
+def test_reentrant_checkpointing_runs_the_engine_forward_once_per_layer(recompute, device, monkeypatch):
+    calls, layers = [], []
+    for module in (experts_module, function_module):
+        real = module.run_forward
+        monkeypatch.setattr(module, "run_forward", lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    if recompute:
+        monkeypatch.setenv("KT_SFT_RECOMPUTE_EXPERTS", "1")
+    plain = grads(None, 0.2, device=device)
+    calls.clear()
+    ckpt = grads({"use_reentrant": True}, 0.2, layers, device)
+    assert len(calls) == layers[0] * (2 if recompute else 1)
+    for name, g in plain.items():
+        assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name

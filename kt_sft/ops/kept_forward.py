@@ -1,0 +1,54 @@
+"""The routed experts' first pass kept for gradient checkpointing's recompute.
+
+Reentrant gradient checkpointing (LLaMA-Factory's choice) runs every checkpointed layer's forward twice per
+step: once without grad, then again in backward, with grad, to build the graph. The CPU engine's forward is
+most of a layer's time, so a forward that runs without grad in training mode (that first pass) keeps what the
+engine saved for backward and its result. The recompute takes them instead of running the engine again when
+its inputs are the same (compared exactly, on the CPU copies the engine takes anyway) and so is everything
+else that shaped the result: LoRA rank, scale and dropout seed (checkpointing restores the RNG the seed is
+drawn from), and the weights, by storage and version counter (an optimizer step in between bumps them).
+Anything else runs the engine as before. One pass is kept per module; one that no recompute takes (a no-grad
+forward in training mode outside checkpointing) is dropped by the module's next forward.
+
+Cost: host RAM for each layer between its two passes, the saved g/u (2·T·K·I·4 bytes) plus copies of x and y
+(cookbook/sizing.md). KT_SFT_RECOMPUTE_EXPERTS=1 turns it off: the recompute then runs the engine again.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from .._ext import recompute_experts
+
+
+class KeptForward(NamedTuple):
+    x: torch.Tensor  # the inputs as the engine took them
+    idx: torch.Tensor
+    w: torch.Tensor
+    setting: tuple  # setting_of() at the time
+    out: torch.Tensor  # the engine's result, which no caller holds
+    saved: Any  # the engine's state for backward
+
+
+def keeps_forward(training: bool) -> bool:
+    """Whether a forward that builds no graph keeps its pass: in training mode, with grad off, unless turned off."""
+    return training and not torch.is_grad_enabled() and not recompute_experts()
+
+
+def setting_of(module, lora_params, lora) -> tuple:
+    """What besides the inputs shapes a forward's result: lora (rank, scale, (dropout p, seed)) and the identity
+    and version of every weight it reads."""
+    weights = (module.gate_up_proj, module.down_proj, *(p for p in lora_params if p is not None))
+    return lora, tuple((t.data_ptr(), t._version) for t in weights)
+
+
+def own(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it where it shares the caller's storage (which the caller may change before the recompute)."""
+    return t.clone() if t.data_ptr() == source.data_ptr() else t
+
+
+def matches(kept: KeptForward, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, setting: tuple) -> bool:
+    return kept.setting == setting and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in ((kept.idx, idx), (kept.w, w), (kept.x, x)))
