@@ -34,6 +34,8 @@ def grads(gc_kwargs, dropout=0.0, engine_layers=None, device="cpu"):
     model.to(device)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     model(input_ids=ids, labels=ids).loss.backward()
+    kept = [m for m in model.modules() if isinstance(m, KTExperts) and m.__dict__.get("_kept") is not None]
+    assert not kept, "a kept first pass outlived its step"
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
