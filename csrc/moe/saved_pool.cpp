@@ -1,5 +1,6 @@
 #include "saved_pool.h"
 
+#include <iterator>
 #include <map>
 #include <mutex>
 
@@ -10,6 +11,7 @@ namespace {
 struct Pool {
   std::mutex mu;
   std::multimap<size_t, float*> free;  // capacity → buffer
+  size_t allocated = 0;
 };
 
 // Never destroyed: buffers may come back from Python objects freed during interpreter shutdown.
@@ -31,16 +33,27 @@ SavedBuffer take_saved(size_t n) {
   {
     std::lock_guard<std::mutex> lock(pl.mu);
     auto it = pl.free.lower_bound(n);
-    if (it != pl.free.end() && it->first <= n + n / 8) {
+    if (it != pl.free.end() && it->first <= 2 * n) {
       SavedBuffer b(it->second, SavedFree{it->first});
       pl.free.erase(it);
       return b;
     }
-    for (auto& [cap, p] : pl.free) delete[] p;
-    pl.free.clear();
+    if (it != pl.free.begin() && std::prev(it)->first >= n / 2) {
+      delete[] std::prev(it)->second;
+      pl.free.erase(std::prev(it));
+    }
+    ++pl.allocated;
   }
   const size_t cap = n + n / 8;
   return SavedBuffer(new float[cap], SavedFree{cap});
+}
+
+SavedPoolStats saved_pool_stats() {
+  Pool& pl = pool();
+  std::lock_guard<std::mutex> lock(pl.mu);
+  SavedPoolStats st{pl.free.size(), 0, pl.allocated};
+  for (const auto& [cap, p] : pl.free) st.free_floats += cap;
+  return st;
 }
 
 }  // namespace kt

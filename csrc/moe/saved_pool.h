@@ -14,9 +14,18 @@ struct SavedFree {
 };
 using SavedBuffer = std::unique_ptr<float[], SavedFree>;
 
-// At least n floats: a free buffer of n up to 1/8 more, else a new one of n + n/8 (so slightly longer
-// batches reuse it). On a miss the free buffers are released first: the shapes changed, and what the pool
-// keeps never exceeds what recent steps saved.
+// At least n floats: the smallest free buffer of n up to 2n (a shorter batch reuses a longer one's buffers),
+// else a new one of n + n/8 (so slightly longer batches reuse it). Batch lengths vary from step to step, and
+// with gradient checkpointing's kept first passes every layer holds its buffers at once (kt_sft/ops/
+// kept_forward.py), so a miss must not drop the pool: it releases only the largest free buffer of n/2 up to n,
+// the same kind of buffer from a shorter batch, which this kind of request has outgrown. The pool then holds
+// one set of buffers per factor of two of batch length at most.
 SavedBuffer take_saved(size_t n);
+
+// Counters for tests: buffers and floats in the pool's free list, and buffers allocated so far.
+struct SavedPoolStats {
+  size_t free_buffers, free_floats, allocated;
+};
+SavedPoolStats saved_pool_stats();
 
 }  // namespace kt
