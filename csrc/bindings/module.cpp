@@ -186,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
     return py::dict(py::arg("free_buffers") = st.free_buffers, py::arg("free_floats") = st.free_floats,
                     py::arg("allocated") = st.allocated);
   });
+  m.def("saved_pool_release", &saved_pool_release);
   m.def("set_phase_profile", [](bool on) { Runtime::get().set_profiling(on); });
   m.def("phase_seconds", [](bool reset) { return Runtime::get().phase_seconds(reset); });
 }

@@ -56,4 +56,11 @@ SavedPoolStats saved_pool_stats() {
   return st;
 }
 
+void saved_pool_release() {
+  Pool& pl = pool();
+  std::lock_guard<std::mutex> lock(pl.mu);
+  for (auto& [cap, p] : pl.free) delete[] p;
+  pl.free.clear();
+}
+
 }  // namespace kt

@@ -27,5 +27,7 @@ struct SavedPoolStats {
   size_t free_buffers, free_floats, allocated;
 };
 SavedPoolStats saved_pool_stats();
+// Frees the free list (buffers in use are unaffected); tests start from an empty pool with it.
+void saved_pool_release();
 
 }  // namespace kt
