@@ -12,6 +12,7 @@ LoRA trains on top of them, and full-parameter training of them is refused.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
-from ..ops.kept_forward import KeptForward, keeps_forward, matches, own, setting_of
+from ..ops.kept_forward import MISSES_BEFORE_OFF, KeptForward, keeps_forward, matches, own, setting_of
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -182,7 +183,17 @@ class KTExperts(nn.Module):
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
         nothing stays kept."""
         kept = self.__dict__.pop("_kept", None)
-        return kept if kept is not None and matches(kept, xc, idx, w, setting) else None
+        if kept is None:
+            return None
+        if matches(kept, xc, idx, w, setting):
+            self.__dict__["_kept_misses"] = 0
+            return kept
+        misses = self.__dict__["_kept_misses"] = self.__dict__.get("_kept_misses", 0) + 1
+        if misses == MISSES_BEFORE_OFF:
+            warnings.warn(f"kt_sft: gradient checkpointing's recompute gave these routed experts other inputs than "
+                          f"their first pass {misses} times in a row (a nondeterministic op before them?); they no "
+                          "longer keep their first pass and run the CPU engine again in the recompute.", RuntimeWarning)
+        return None
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:
@@ -228,7 +239,8 @@ class KTExperts(nn.Module):
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
-            keep = keeps_forward(self.training)  # gradient checkpointing's first pass, most likely
+            # Gradient checkpointing's first pass, most likely.
+            keep = keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
                                      dropout=dropout)
             self.__dict__["_kept"] = None

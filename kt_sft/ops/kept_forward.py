@@ -8,7 +8,9 @@ its inputs are the same (compared exactly, on the CPU copies the engine takes an
 else that shaped the result: LoRA rank, scale and dropout seed (checkpointing restores the RNG the seed is
 drawn from), and the weights, by storage and version counter (an optimizer step in between bumps them).
 Anything else runs the engine as before. One pass is kept per module; one that no recompute takes (a no-grad
-forward in training mode outside checkpointing) is dropped by the module's next forward.
+forward in training mode outside checkpointing) is dropped by the module's next forward. A module whose
+recompute found other inputs MISSES_BEFORE_OFF times in a row (a nondeterministic op upstream) stops keeping,
+with a warning: keeping costs its first pass the saving of g/u.
 
 Cost: host RAM for each layer between its two passes, the saved g/u (2·T·K·I·4 bytes) plus copies of x and y
 (cookbook/sizing.md). KT_SFT_RECOMPUTE_EXPERTS=1 turns it off: the recompute then runs the engine again.
@@ -20,6 +22,9 @@ from typing import Any, NamedTuple
 import torch
 
 from .._ext import recompute_experts
+
+
+MISSES_BEFORE_OFF = 3
 
 
 class KeptForward(NamedTuple):

@@ -6,6 +6,7 @@ import torch
 
 import kt_sft.ops.experts_function as function_module
 from experts_case import Shape, inputs, make_module, run_engine
+from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 
 SHAPE = Shape("typical", T=40, H=64, I=48, E=8, K=2)
 
@@ -102,3 +103,17 @@ def test_the_first_pass_result_is_not_the_kept_one():
     y0.zero_()
     got = run_engine(m, x, idx, w, g)
     assert got["y"].abs().sum() > 0
+
+
+def test_a_module_whose_recomputes_keep_missing_stops_keeping():
+    x, idx, w, g = inputs(SHAPE)
+    m = fresh()
+    for i in range(MISSES_BEFORE_OFF):
+        first_pass(m, x, idx, w)
+        if i == MISSES_BEFORE_OFF - 1:
+            with pytest.warns(RuntimeWarning, match="no longer keep their first pass"):
+                run_engine(m, x + 1, idx, w, g)
+        else:
+            run_engine(m, x + 1, idx, w, g)
+    first_pass(m, x, idx, w)
+    assert m.__dict__.get("_kept") is None
