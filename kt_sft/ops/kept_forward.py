@@ -23,7 +23,6 @@ import torch
 
 from .._ext import recompute_experts
 
-
 MISSES_BEFORE_OFF = 3
 
 

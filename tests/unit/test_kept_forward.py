@@ -3,9 +3,9 @@ forward with grad that follows takes it only when nothing that shapes the result
 (kt_sft/ops/kept_forward.py): same results and gradients as running the engine, bit for bit."""
 import pytest
 import torch
+from experts_case import Shape, inputs, make_module, run_engine
 
 import kt_sft.ops.experts_function as function_module
-from experts_case import Shape, inputs, make_module, run_engine
 from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 
 SHAPE = Shape("typical", T=40, H=64, I=48, E=8, K=2)

@@ -1,8 +1,9 @@
 """The buffers a training forward saves for backward come from a pool that survives changing batch lengths
 (csrc/moe/saved_pool.h): a shorter batch reuses a longer one's buffers, and a longer one does not make the
 pool drop everything, since with gradient checkpointing's kept passes every layer holds its buffers at once."""
-from kt_sft._ext import _C
 from experts_case import Shape, inputs, make_module, run_engine
+
+from kt_sft._ext import _C
 
 
 def step(m, T):
