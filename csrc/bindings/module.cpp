@@ -181,11 +181,7 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("scratch_floats", &MoeExperts::scratch_floats);
-  m.def("saved_pool_stats", [] {
-    const SavedPoolStats st = saved_pool_stats();
-    return py::dict(py::arg("free_buffers") = st.free_buffers, py::arg("free_floats") = st.free_floats,
-                    py::arg("allocated") = st.allocated);
-  });
+  m.def("saved_pool_allocations", &saved_pool_allocations);
   m.def("saved_pool_release", &saved_pool_release);
   m.def("set_phase_profile", [](bool on) { Runtime::get().set_profiling(on); });
   m.def("phase_seconds", [](bool reset) { return Runtime::get().phase_seconds(reset); });

@@ -38,9 +38,12 @@ SavedBuffer take_saved(size_t n) {
       pl.free.erase(it);
       return b;
     }
-    if (it != pl.free.begin() && std::prev(it)->first >= n / 2) {
-      delete[] std::prev(it)->second;
-      pl.free.erase(std::prev(it));
+    if (it != pl.free.begin()) {
+      const auto below = std::prev(it);  // the largest free buffer smaller than n
+      if (below->first >= n / 2) {
+        delete[] below->second;
+        pl.free.erase(below);
+      }
     }
     ++pl.allocated;
   }
@@ -48,12 +51,10 @@ SavedBuffer take_saved(size_t n) {
   return SavedBuffer(new float[cap], SavedFree{cap});
 }
 
-SavedPoolStats saved_pool_stats() {
+size_t saved_pool_allocations() {
   Pool& pl = pool();
   std::lock_guard<std::mutex> lock(pl.mu);
-  SavedPoolStats st{pl.free.size(), 0, pl.allocated};
-  for (const auto& [cap, p] : pl.free) st.free_floats += cap;
-  return st;
+  return pl.allocated;
 }
 
 void saved_pool_release() {

@@ -9,7 +9,7 @@ from kt_sft._ext import _C
 def step(m, T):
     shape = Shape("pool", T=T, H=32, I=1531, E=4, K=2, r=4)  # an I no other test uses: its own buffer sizes
     run_engine(m, *inputs(shape))
-    return _C.saved_pool_stats()["allocated"]
+    return _C.saved_pool_allocations()
 
 
 def test_shorter_and_returning_batches_reuse_the_pool():
