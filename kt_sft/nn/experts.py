@@ -179,13 +179,13 @@ class KTExperts(nn.Module):
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
 
-    def take_kept(self, xc, idx, w, setting) -> KeptForward | None:
+    def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
-        nothing stays kept."""
+        nothing stays kept. lora_params, lora: as the forward takes them (compared only when a pass is kept)."""
         kept = self.__dict__.pop("_kept", None)
         if kept is None:
             return None
-        if matches(kept, xc, idx, w, setting):
+        if matches(kept, xc, idx, w, setting_of(self, lora_params, lora)):
             self.__dict__["_kept_misses"] = 0
             return kept
         misses = self.__dict__["_kept_misses"] = self.__dict__.get("_kept_misses", 0) + 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from .._ext import view
-from .kept_forward import setting_of
 from .timing import engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
@@ -82,7 +81,7 @@ class ExpertsFunction(torch.autograd.Function):
         """lora: (r, scale, (dropout p, seed))."""
         xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
         r, scale, dropout = lora
-        kept = module.take_kept(xc, idx, w, setting_of(module, lora_params, lora))  # gradient checkpointing's recompute
+        kept = module.take_kept(xc, idx, w, lora_params, lora)  # gradient checkpointing's recompute
         if kept is not None:
             out, saved = kept.out, kept.saved
         else:
