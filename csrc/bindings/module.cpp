@@ -6,6 +6,7 @@
 #include "../kernels/dispatch.h"
 #include "../moe/experts.h"
 #include "../moe/runtime.h"
+#include "../moe/sum_squares.h"
 
 namespace py = pybind11;
 using namespace kt;
@@ -179,6 +180,12 @@ PYBIND11_MODULE(_C, m) {
     d["pinned"] = rt.pool().pinned();
     d["scratch_bytes"] = rt.scratch().bytes();
     return d;
+  });
+  m.def("sum_squares", [](const py::list& tensors) {
+    std::vector<View> views;
+    for (const auto& t : tensors) views.push_back(to_view(py::reinterpret_borrow<py::object>(t)));
+    py::gil_scoped_release nogil;  // the list (hence the tensors) stays alive in the caller meanwhile
+    return sum_squares(views);
   });
   m.def("scratch_floats", &MoeExperts::scratch_floats);
   m.def("saved_pool_allocations", &saved_pool_allocations);

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
+from ..ops import grad_clip
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
 from ..ops.kept_forward import MISSES_BEFORE_OFF, KeptForward, keeps_forward, matches, own, setting_of
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -52,6 +53,7 @@ class KTExperts(nn.Module):
         self._engine_weights = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
         self.check_finite = check_finite
+        grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
         # LoRA, keyed by adapter name then projection (PEFT's layout: saved as `lora_A.<adapter>.<proj>`).
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
