@@ -5,10 +5,14 @@ prints and reports medians after the first two steps: step time, tokens/s, GPU p
 against the CPU engine's time (forward with the checkpoint recompute, plus backward).
 
   python benchmarks/bench_lf.py --layers 4 --seq 2048 --steps 8 --work /tmp/kt_lf_bench
+
+All 48 layers (a 61 GB checkpoint) on a 64 GB disk: --quick-init, and --output-dir on /dev/shm for the 3.3 GB
+adapter LLaMA-Factory saves at the end.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -22,7 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from bench_model import qwen3_30b_a3b
+from bench_model import quick_expert_init, qwen3_30b_a3b
 from kt_sft.integrations.demo import write_tokenizer, yaml_text
 from kt_sft.integrations.prepare import prepare
 
@@ -31,14 +35,15 @@ STEP = re.compile(r"kt_sft step \d+: (\d+) ms = CPU experts forward (\d+) \+ bac
 FIELDS = ("step", "forward", "backward", "transfers", "gpu wait", "rest", "GPU peak GiB", "host RSS GiB")
 
 
-def write_checkpoint(out: Path, layers: int) -> None:
+def write_checkpoint(out: Path, layers: int, quick_init: bool) -> None:
     if (out / "config.json").exists():
         return
     vocab = write_tokenizer(out)
     config = qwen3_30b_a3b(layers)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = None, 2, 0
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with quick_expert_init() if quick_init else contextlib.nullcontext():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     assert vocab <= config.vocab_size
     model.save_pretrained(out)
 
@@ -60,17 +65,20 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--work", default="/tmp/kt_lf_bench")
+    ap.add_argument("--output-dir", help="where LLaMA-Factory saves the adapter (default: <work>/adapter)")
+    ap.add_argument("--quick-init", action="store_true", help="write the checkpoint's experts and embeddings as "
+                    "repeats of one random block (bench_model.py's --quick-init)")
     args = ap.parse_args()
     work = Path(args.work)
     model_dir, prepared, data = work / f"qwen3_30b_{args.layers}l", work / "prepared", work / "data"
-    write_checkpoint(model_dir, args.layers)
+    write_checkpoint(model_dir, args.layers, args.quick_init)
     prepare(model_dir, prepared)
     write_data(data, args.steps * args.grad_accum, args.seq)
     train = {
         "model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
         "finetuning_type": "lora", "lora_target": "all", "lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0,
         "dataset": "kt_long", "dataset_dir": str(data), "template": "qwen", "cutoff_len": args.seq,
-        "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(work / "adapter"),
+        "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": args.output_dir or str(work / "adapter"),
         "overwrite_output_dir": True, "logging_steps": 1, "save_strategy": "no", "plot_loss": False,
         "per_device_train_batch_size": 1, "gradient_accumulation_steps": args.grad_accum,
         "learning_rate": 1e-4, "max_steps": args.steps, "bf16": torch.cuda.is_available(), "report_to": "none", "seed": 0,
