@@ -189,6 +189,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("scratch_floats", &MoeExperts::scratch_floats);
   m.def("saved_pool_allocations", &saved_pool_allocations);
+  m.def("saved_pool_free_bytes", &saved_pool_free_bytes);
   m.def("saved_pool_release", &saved_pool_release);
   m.def("set_phase_profile", [](bool on) { Runtime::get().set_profiling(on); });
   m.def("phase_seconds", [](bool reset) { return Runtime::get().phase_seconds(reset); });

@@ -57,6 +57,14 @@ size_t saved_pool_allocations() {
   return pl.allocated;
 }
 
+size_t saved_pool_free_bytes() {
+  Pool& pl = pool();
+  std::lock_guard<std::mutex> lock(pl.mu);
+  size_t floats = 0;
+  for (const auto& entry : pl.free) floats += entry.first;
+  return floats * sizeof(float);
+}
+
 void saved_pool_release() {
   Pool& pl = pool();
   std::lock_guard<std::mutex> lock(pl.mu);

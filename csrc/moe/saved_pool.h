@@ -24,6 +24,8 @@ SavedBuffer take_saved(size_t n);
 
 // Buffers allocated so far (every take_saved that found none to reuse), for tests.
 size_t saved_pool_allocations();
+// Bytes of the free buffers: RAM the OS counts as used that a later pass reuses (kept_forward.py's room check).
+size_t saved_pool_free_bytes();
 // Frees the free list (buffers in use are unaffected); tests start from an empty pool with it.
 void saved_pool_release();
 

@@ -22,7 +22,8 @@ from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
-from ..ops.kept_forward import MISSES_BEFORE_OFF, KeptForward, keeps_forward, matches, own, setting_of
+from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, room_to_keep,
+                                setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -242,7 +243,8 @@ class KTExperts(nn.Module):
         if not trains:
             xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
             # Gradient checkpointing's first pass, most likely.
-            keep = keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
+            keep = (keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
+                    and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
                                      dropout=dropout)
             self.__dict__["_kept"] = None

@@ -6,6 +6,7 @@ import torch
 from experts_case import Shape, inputs, make_module, run_engine
 
 import kt_sft.ops.experts_function as function_module
+import kt_sft.ops.kept_forward as kept_forward
 from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 
 SHAPE = Shape("typical", T=40, H=64, I=48, E=8, K=2)
@@ -117,3 +118,66 @@ def test_a_module_whose_recomputes_keep_missing_stops_keeping():
             run_engine(m, x + 1, idx, w, g)
     first_pass(m, x, idx, w)
     assert m.__dict__.get("_kept") is None
+
+
+def fake_host(tmp_path, meminfo_kb=None, cgroup_line="0::/job", files=None):
+    """A /proc and a /sys/fs/cgroup holding just what host_headroom reads."""
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    if meminfo_kb:
+        (proc / "meminfo").write_text(f"MemTotal: {meminfo_kb[1]} kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb[0]} kB\n")
+    (proc / "self" / "cgroup").write_text(cgroup_line + "\n")
+    for rel, text in (files or {}).items():
+        (cgroup / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cgroup / rel).write_text(text)
+    return str(proc), str(cgroup)
+
+
+def test_host_headroom_reads_meminfo_and_the_tighter_cgroup_limit(tmp_path):
+    gib = 1 << 30
+    assert kept_forward.host_headroom(*fake_host(tmp_path / "a", (8 << 20, 16 << 20))) == (8 * gib, 16 * gib)
+    v2 = {"job/memory.max": f"{4 * gib}\n", "job/memory.current": f"{3 * gib}\n",
+          "job/memory.stat": f"anon 1\ninactive_file {gib}\n"}
+    # 4 GiB limit, 3 GiB used of which 1 GiB is reclaimable cache: 2 GiB left, tighter than MemAvailable.
+    assert kept_forward.host_headroom(*fake_host(tmp_path / "b", (8 << 20, 16 << 20), files=v2)) == (2 * gib, 4 * gib)
+    unlimited = {**v2, "job/memory.max": "max\n"}
+    assert kept_forward.host_headroom(*fake_host(tmp_path / "c", (8 << 20, 16 << 20), files=unlimited)) == \
+        (8 * gib, 16 * gib)
+    v1 = {"memory/job/memory.limit_in_bytes": f"{6 * gib}", "memory/job/memory.usage_in_bytes": f"{5 * gib}",
+          "memory/job/memory.stat": f"cache 9\ntotal_inactive_file {2 * gib}\n"}
+    assert kept_forward.host_headroom(*fake_host(tmp_path / "d", None, "4:memory:/job\n0::/", v1)) == \
+        (3 * gib, 6 * gib)
+    v1_unlimited = {**v1, "memory/job/memory.limit_in_bytes": "9223372036854771712"}
+    assert kept_forward.host_headroom(*fake_host(tmp_path / "e", None, "4:memory:/job", v1_unlimited)) is None
+
+
+def test_a_pass_is_not_kept_where_host_ram_is_short(monkeypatch):
+    x, idx, w, g = inputs(SHAPE)
+    expected = run_engine(fresh(), x, idx, w, g)
+    gib = 1 << 30
+    monkeypatch.setattr(kept_forward, "_warned_short", False)
+    monkeypatch.setattr(kept_forward, "host_headroom", lambda: (3 * gib, 100 * gib))  # reserve: 5 GiB
+    m = fresh()
+    with pytest.warns(RuntimeWarning, match="host RAM available"):
+        first_pass(m, x, idx, w)
+    assert m.__dict__.get("_kept") is None
+    got = run_engine(m, x, idx, w, g)
+    for k, v in expected.items():
+        assert (v is None and got[k] is None) or torch.equal(v, got[k]), k
+    monkeypatch.setattr(kept_forward, "host_headroom", lambda: (6 * gib, 100 * gib))
+    first_pass(m, x, idx, w)
+    assert m.__dict__["_kept"] is not None
+    # The saved-buffer pool's free buffers are room too: a kept pass takes them before asking the OS.
+    monkeypatch.setattr(kept_forward, "host_headroom", lambda: (3 * gib, 100 * gib))
+    monkeypatch.setattr(kept_forward._C, "saved_pool_free_bytes", lambda: 3 * gib)
+    first_pass(m, x, idx, w)
+    assert m.__dict__["_kept"] is not None
+
+
+def test_free_saved_buffers_count_as_room():
+    from kt_sft._ext import _C
+    _C.saved_pool_release()
+    assert _C.saved_pool_free_bytes() == 0
+    x, idx, w, g = inputs(SHAPE)
+    run_engine(fresh(), x, idx, w, g)  # its saved g/u go back to the pool after backward
+    assert _C.saved_pool_free_bytes() >= 2 * SHAPE.T * SHAPE.K * SHAPE.I * 4
