@@ -125,7 +125,8 @@ def fake_host(tmp_path, meminfo_kb=None, cgroup_line="0::/job", files=None):
     proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
     (proc / "self").mkdir(parents=True)
     if meminfo_kb:
-        (proc / "meminfo").write_text(f"MemTotal: {meminfo_kb[1]} kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb[0]} kB\n")
+        available, total = meminfo_kb
+        (proc / "meminfo").write_text(f"MemTotal: {total} kB\nMemFree: 1 kB\nMemAvailable: {available} kB\n")
     (proc / "self" / "cgroup").write_text(cgroup_line + "\n")
     for rel, text in (files or {}).items():
         (cgroup / rel).parent.mkdir(parents=True, exist_ok=True)
