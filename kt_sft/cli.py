@@ -4,19 +4,12 @@ checkpoint, dataset and LLaMA-Factory configs for the quick start)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 from . import capabilities
-
-
-def _mem_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        return float("nan")
+from .ops.host_memory import host_headroom
 
 
 def doctor(_args) -> int:
@@ -25,7 +18,9 @@ def doctor(_args) -> int:
     print(f"kernel sets      : {', '.join(caps['runnable_kernels'])} (in use: {caps['kernels']})")
     print(f"AMX tiles        : {caps['tiles']}")
     print(f"engine threads   : {caps['threads']} (pinned: {caps['pinned']})")
-    print(f"memory           : {_mem_gb():.1f} GiB")
+    room = host_headroom()
+    print("memory           : " + (f"{room[1] / 2**30:.1f} GiB, {room[0] / 2**30:.1f} GiB of it available to this "
+                                   "process (MemAvailable, or its cgroup's limit net of its use)" if room else "unknown"))
     print(f"GPU              : {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
     if caps["kernels"] is None:
         print("This CPU cannot run the expert kernels (it needs AVX2 + FMA).")

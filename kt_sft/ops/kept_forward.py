@@ -20,13 +20,13 @@ of all layers pile up until backward, and running out of RAM gets the process ki
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from .._ext import _C, recompute_experts
+from .host_memory import host_headroom
 
 MISSES_BEFORE_OFF = 3
 _GIB = 1 << 30
@@ -54,56 +54,6 @@ def kept_bytes(tokens: int, k: int, intermediate: int, rank: int, x: torch.Tenso
 def reserve_bytes(total: int) -> int:
     """Host RAM left free when keeping passes: the rest of the step (the optimizer's temporaries, data) needs some."""
     return max(2 * _GIB, total // 20)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _cgroup_headroom(proc: str, cgroup: str) -> tuple[int, int] | None:
-    """(limit − use net of reclaimable file cache, limit) of this process's memory cgroup (v2, else v1), or None
-    where memory is not limited or cannot be read."""
-    paths = {}  # controller ("" for v2's unified hierarchy) → this process's cgroup path
-    for line in (_read(f"{proc}/self/cgroup") or "").splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3:
-            for controller in parts[1].split(","):
-                paths[controller] = parts[2].strip().lstrip("/")
-    tries = []
-    if "" in paths:
-        tries.append((os.path.join(cgroup, paths[""]), "memory.max", "memory.current", "inactive_file"))
-    if "memory" in paths:
-        tries.append((os.path.join(cgroup, "memory", paths["memory"]), "memory.limit_in_bytes",
-                      "memory.usage_in_bytes", "total_inactive_file"))
-    for base, limit_file, usage_file, cache_key in tries:
-        stat = (_read(f"{base}/memory.stat") or "").split()
-        try:
-            limit, used = int(_read(f"{base}/{limit_file}")), int(_read(f"{base}/{usage_file}"))
-            cache = int(dict(zip(stat[::2], stat[1::2])).get(cache_key, 0))
-        except (TypeError, ValueError):  # absent, or "max" (v2's unlimited)
-            continue
-        if limit < 1 << 60:  # above: v1's unlimited
-            return limit - max(used - cache, 0), limit
-    return None
-
-
-def host_headroom(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int, int] | None:
-    """(bytes of host RAM this process may still take, the total they are part of), the tighter of the machine's
-    MemAvailable and its cgroup's limit; None where neither can be read."""
-    info = dict(line.split(":", 1) for line in (_read(f"{proc}/meminfo") or "").splitlines() if ":" in line)
-    found = []
-    try:
-        found.append((int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024))
-    except (KeyError, ValueError, IndexError):
-        pass
-    group = _cgroup_headroom(proc, cgroup)
-    if group:
-        found.append(group)
-    return min(found) if found else None
 
 
 _warned_short = False

@@ -7,6 +7,7 @@ from experts_case import Shape, inputs, make_module, run_engine
 
 import kt_sft.ops.experts_function as function_module
 import kt_sft.ops.kept_forward as kept_forward
+from kt_sft.ops import host_memory
 from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 
 SHAPE = Shape("typical", T=40, H=64, I=48, E=8, K=2)
@@ -136,20 +137,20 @@ def fake_host(tmp_path, meminfo_kb=None, cgroup_line="0::/job", files=None):
 
 def test_host_headroom_reads_meminfo_and_the_tighter_cgroup_limit(tmp_path):
     gib = 1 << 30
-    assert kept_forward.host_headroom(*fake_host(tmp_path / "a", (8 << 20, 16 << 20))) == (8 * gib, 16 * gib)
+    assert host_memory.host_headroom(*fake_host(tmp_path / "a", (8 << 20, 16 << 20))) == (8 * gib, 16 * gib)
     v2 = {"job/memory.max": f"{4 * gib}\n", "job/memory.current": f"{3 * gib}\n",
           "job/memory.stat": f"anon 1\ninactive_file {gib}\n"}
     # 4 GiB limit, 3 GiB used of which 1 GiB is reclaimable cache: 2 GiB left, tighter than MemAvailable.
-    assert kept_forward.host_headroom(*fake_host(tmp_path / "b", (8 << 20, 16 << 20), files=v2)) == (2 * gib, 4 * gib)
+    assert host_memory.host_headroom(*fake_host(tmp_path / "b", (8 << 20, 16 << 20), files=v2)) == (2 * gib, 4 * gib)
     unlimited = {**v2, "job/memory.max": "max\n"}
-    assert kept_forward.host_headroom(*fake_host(tmp_path / "c", (8 << 20, 16 << 20), files=unlimited)) == \
+    assert host_memory.host_headroom(*fake_host(tmp_path / "c", (8 << 20, 16 << 20), files=unlimited)) == \
         (8 * gib, 16 * gib)
     v1 = {"memory/job/memory.limit_in_bytes": f"{6 * gib}", "memory/job/memory.usage_in_bytes": f"{5 * gib}",
           "memory/job/memory.stat": f"cache 9\ntotal_inactive_file {2 * gib}\n"}
-    assert kept_forward.host_headroom(*fake_host(tmp_path / "d", None, "4:memory:/job\n0::/", v1)) == \
+    assert host_memory.host_headroom(*fake_host(tmp_path / "d", None, "4:memory:/job\n0::/", v1)) == \
         (3 * gib, 6 * gib)
     v1_unlimited = {**v1, "memory/job/memory.limit_in_bytes": "9223372036854771712"}
-    assert kept_forward.host_headroom(*fake_host(tmp_path / "e", None, "4:memory:/job", v1_unlimited)) is None
+    assert host_memory.host_headroom(*fake_host(tmp_path / "e", None, "4:memory:/job", v1_unlimited)) is None
 
 
 def test_a_pass_is_not_kept_where_host_ram_is_short(monkeypatch):
