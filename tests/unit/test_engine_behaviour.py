@@ -262,3 +262,11 @@ def test_nested_engine_timers_are_exclusive(monkeypatch):
             pass
     assert engine_seconds() == {"forward": 0.0, "backward": 0.0, "transfer": 5.0, "gpu": 5.0}
     reset_engine_seconds()
+
+
+def test_doctor_reports_what_this_machine_runs(capsys):
+    from kt_sft.cli import main
+    assert main(["doctor"]) == 0  # every machine that runs this suite can run the kernels
+    out = capsys.readouterr().out
+    assert f"in use: {kt_sft.capabilities()['kernels']}" in out
+    assert "GiB of it available to this process" in out
