@@ -8,9 +8,10 @@ experts, `torch.nn.utils.clip_grad_norm_` is this function: the squares of dense
 summed by the engine's pool in float64 (fixed order: the same for any thread count), every other gradient's norm
 is torch's own, and the coefficient and the scaling are torch's. The CPU gradients are multiplied only when the
 coefficient is below 1 (torch multiplies them by 1.0 too, which changes nothing but costs a pass over them).
-Results differ from torch's in the norm's last bits only (a different summation order), and the norm is
-float32 even where every gradient is bf16. Other norm types, and
-gradients torch would not hand to a plain CPU kernel (sparse, subclasses), go to torch unchanged.
+Results differ from torch's in the norm's last bits only (a different summation order; a run that is chaotic in
+them, like the demo's at a constant high rate, can end elsewhere), and the norm is float32 even where every
+gradient is bf16. Other norm types, and gradients torch would not hand to a plain CPU kernel (sparse, non-
+contiguous, subclasses), go to torch unchanged.
 """
 from __future__ import annotations
 
