@@ -4,7 +4,7 @@ Reentrant gradient checkpointing (LLaMA-Factory's choice) runs every checkpointe
 step: once without grad, then again in backward, with grad, to build the graph. The CPU engine's forward is
 most of a layer's time, so a forward that runs without grad in training mode (that first pass) keeps what the
 engine saved for backward and its result. The recompute takes them instead of running the engine again when
-its inputs are the same (compared exactly, on the CPU copies the engine takes anyway) and so is everything
+its inputs are the same (bit for bit, on the CPU copies the engine takes anyway) and so is everything
 else that shaped the result: LoRA rank, scale and dropout seed (checkpointing restores the RNG the seed is
 drawn from), and the weights, by storage and version counter (an optimizer step in between bumps them).
 Anything else runs the engine as before. One pass is kept per module; one that no recompute takes (a no-grad
@@ -92,7 +92,17 @@ def own(t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.data_ptr() == source.data_ptr() else t
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical contiguous tensors: what makes the engine's result the same (NaNs alike, −0 unlike +0).
+    Compared as int64 words where they fit: torch.equal on a bf16 [2048, 2048] took 2.7 ms on the dev machine,
+    as words 0.44 ms, and the recompute compares every layer's input."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    if a.numel() % 8 == 0:
+        a, b = a.view(torch.int64), b.view(torch.int64)
+    return torch.equal(a, b)
+
+
 def matches(kept: KeptForward, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, setting: tuple) -> bool:
-    return kept.setting == setting and all(
-        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-        for a, b in ((kept.idx, idx), (kept.w, w), (kept.x, x)))
+    return kept.setting == setting and all(same_bits(a, b) for a, b in ((kept.idx, idx), (kept.w, w), (kept.x, x)))

@@ -183,3 +183,17 @@ def test_free_saved_buffers_count_as_room():
     x, idx, w, g = inputs(SHAPE)
     run_engine(fresh(), x, idx, w, g)  # its saved g/u go back to the pool after backward
     assert _C.saved_pool_free_bytes() >= 2 * SHAPE.T * SHAPE.K * SHAPE.I * 4
+
+
+def test_inputs_match_bit_for_bit():
+    same = kept_forward.same_bits
+    for n in (0, 3, 4, 4099):  # byte counts that are and are not whole int64 words, as bf16
+        a = torch.randn(n).bfloat16()
+        assert same(a, a.clone())
+        if n:
+            b = a.clone()
+            b[-1] = b[-1] * 2 + 1
+            assert not same(a, b)
+    assert not same(torch.zeros(4), -torch.zeros(4)), "−0 and +0 are other inputs to the engine"
+    assert same(torch.full((4,), float("nan")), torch.full((4,), float("nan")))
+    assert not same(torch.zeros(4), torch.zeros(2, 2)) and not same(torch.zeros(4), torch.zeros(4).double()[:4])
