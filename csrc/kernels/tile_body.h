@@ -77,17 +77,51 @@ inline void round_to_bf16(long n, const float* src, bf16* dst) {
   }
 }
 
+// 32 quantized weights from column c (a multiple of 8; c + 32 within c's block or group) as BF16: each
+// weight × its scale in float32, rounded once to the nearest even BF16, as widen_row then round_to_bf16 give.
+// FP8: the codes widened in pairs of vectors, scaled and rounded together.
+inline __m512i bf16x32(const Fp8Cursor<Simd>& cur, long c) {
+  __m512 lo, hi;
+  cur.raw2(c, lo, hi);
+  const __m512 s = _mm512_set1_ps(cur.scale(c));
+  const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s));
+  return reinterpret_cast<const __m512i&>(v);
+}
+
+// INT4: the group's 16 possible weights, (nibble − 8) · scale, rounded once into a table that each nibble
+// indexes (vpermw reads the low 5 bits of an index lane), so a weight costs no arithmetic of its own.
+inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
+  const __m512 values = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
+                                      _mm512_set1_ps(cur.scale(c)));
+  const __m256bh rounded = _mm512_cvtneps_pbh(values);
+  const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(rounded));
+  // Byte j holds weights 2j (low nibble) and 2j + 1 (high): spread into 16-bit lanes 2j and 2j + 1.
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cur.w + c / 8)));
+  const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), _mm512_set1_epi32(0x000f000f));
+  return _mm512_permutexvar_epi16(nibbles, table);
+}
+
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
 // copied), for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
-// to the nearest BF16).
+// to the nearest BF16): 32 at a time straight to BF16, the edges of a block or group through float32.
 template <class TB>
-const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst, std::vector<float>& wide) {
+const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst) {
   if constexpr (std::is_same_v<TB, bf16>) {
     return b.at(i) + col0;
   } else {
-    wide.resize(len);
-    widen_row(b, i, col0, len, wide.data());
-    round_to_bf16(len, wide.data(), dst);
+    const auto cur = cursor<Simd>(b, i);
+    using Cursor = std::decay_t<decltype(cur)>;
+    alignas(64) float edge[32];
+    for (long c = col0, end = col0 + len; c < end;) {
+      const long send = std::min(end, (c / Cursor::SEG + 1) * Cursor::SEG);
+      if (c % 8 == 0)
+        for (; c + 32 <= send; c += 32) _mm512_storeu_si512(dst + (c - col0), bf16x32(cur, c));
+      for (long n; c < send; c += n) {
+        n = std::min<long>(send - c, 32);
+        widen_row(b, i, c, n, edge);
+        round_to_bf16(n, edge, dst + (c - col0));
+      }
+    }
     return dst;
   }
 }
@@ -175,12 +209,11 @@ void tile_nt(const TileNT<TB>& g) {
   if constexpr (std::is_same_v<TB, bf16>)
     if (!g.b.ptrs && g.N % TR == 0 && g.K % TC == 0) w = g.b.base, ldw = g.b.ld;
   thread_local std::vector<bf16> panel;
-  thread_local std::vector<float> wide;
   if (!w) {  // decoded rows, zeros past N and K: tile loads never leave the panel
     panel.resize(kt::tile_rows(g.N) * ld);
     for (long n = 0; n < g.N; ++n) {
       bf16* row = panel.data() + n * ld;
-      const bf16* src = row_bf16(g.b, n, 0, g.K, row, wide);
+      const bf16* src = row_bf16(g.b, n, 0, g.K, row);
       if (src != row) std::copy(src, src + g.K, row);
       std::fill(row + g.K, row + ld, bf16(0));
     }
@@ -222,7 +255,6 @@ void tile_nn(const TileNN<TB>& g) {
   const long ld = kt::tile_ld(g.K), np = kt::tile_rows(g.N);
   const int KC = int(ld / TC);
   thread_local std::vector<bf16> panel, decoded;
-  thread_local std::vector<float> wide;
   panel.resize(np * ld);
   decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
@@ -239,8 +271,8 @@ void tile_nn(const TileNN<TB>& g) {
         for (long row = k + TC; row < std::min<long>(k + TC + 2, g.K); ++row)
           for (long c = 0; c < g.N; c += TC)
             _mm_prefetch(reinterpret_cast<const char*>(g.b.at(row) + g.b_off + c), _MM_HINT_T0);
-      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data(), wide) : nullptr;
-      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np, wide) : nullptr;
+      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data()) : nullptr;
+      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np) : nullptr;
       bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
       for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(KC) * TBLK) {
         const __mmask16 mask = first16(g.N - n0);
