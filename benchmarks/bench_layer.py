@@ -76,6 +76,21 @@ def measured_read_gbps(threads: int) -> float:
     return x.numel() * 4 / ms / 1e6
 
 
+def train_step_ms(fwd, bwd, drop, reps: int) -> tuple[float, float]:
+    """Median forward and backward ms of `reps` steps after a warm-up step, each forward followed by its
+    backward and then drop() (grads cleared, as a trainer does between steps): how training runs them."""
+    fwd_times, bwd_times = [], []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        fwd()
+        t1 = time.perf_counter()
+        bwd()
+        fwd_times.append((t1 - t0) * 1e3)
+        bwd_times.append((time.perf_counter() - t1) * 1e3)
+        drop()
+    return statistics.median(fwd_times[1:]), statistics.median(bwd_times[1:])
+
+
 def make_layer(E, H, I, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
@@ -126,17 +141,10 @@ def bench_ours(m, x, idx, w, r, reps, phases=False):
         m.zero_grad(set_to_none=True)
         xg.grad = wg.grad = None
 
-    fwd_ms = median_ms(fwd, reps)
-    bwd_times = []
-    for _ in range(reps + 1):
-        fwd()
-        t0 = time.perf_counter()
-        bwd()
-        bwd_times.append((time.perf_counter() - t0) * 1e3)
-        drop_grads()
+    fwd_ms, bwd_ms = train_step_ms(fwd, bwd, drop_grads, reps)
     with torch.no_grad():
         inf_ms = median_ms(lambda: m(x, idx, w), reps)
-    res = dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]), infer=inf_ms)
+    res = dict(fwd=fwd_ms, bwd=bwd_ms, infer=inf_ms)
     if phases:  # separate training steps, so the profile's clock reads stay out of the timings above
         timing.profile_engine_phases(True)
         timing.engine_phases(reset=True)
@@ -165,16 +173,12 @@ def bench_torch(gu, dn, x, idx, w, r, reps):
     def fwd():
         state["y"] = moe_experts_reference(xg, idx, wg, gu, dn, lora)
 
-    fwd_ms = median_ms(fwd, reps)
-    bwd_times = []
-    for _ in range(reps + 1):
-        fwd()
-        t0 = time.perf_counter()
-        state["y"].backward(gout)
-        bwd_times.append((time.perf_counter() - t0) * 1e3)
+    def drop_grads():
         for t in [xg, wg, *A.values(), *B.values()]:
             t.grad = None
-    return dict(fwd=fwd_ms, bwd=statistics.median(bwd_times[1:]))
+
+    fwd_ms, bwd_ms = train_step_ms(fwd, lambda: state["y"].backward(gout), drop_grads, reps)
+    return dict(fwd=fwd_ms, bwd=bwd_ms)
 
 
 PEER_METHODS = {"bf16": "AMXBF16_SFT", "fp8": "AMXFP8_SFT", "int4": "RAWINT4_SFT"}
@@ -195,15 +199,8 @@ def bench_peer(gu, dn, q, x, idx, w, r, reps, threads, fmt="bf16"):
     gout = torch.randn_like(x)
     # Every saving forward is followed by its backward: its RAWINT4 method keeps a stack of saved forwards and
     # aborts the process when saving forwards pile up.
-    fwd_times, bwd_times = [], []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        peer.forward(x, idx, w)
-        t1 = time.perf_counter()
-        peer.backward(gout)
-        fwd_times.append((t1 - t0) * 1e3)
-        bwd_times.append((time.perf_counter() - t1) * 1e3)
-    return dict(fwd=statistics.median(fwd_times[1:]), bwd=statistics.median(bwd_times[1:])), "ok"
+    fwd_ms, bwd_ms = train_step_ms(lambda: peer.forward(x, idx, w), lambda: peer.backward(gout), lambda: None, reps)
+    return dict(fwd=fwd_ms, bwd=bwd_ms), "ok"
 
 
 def rss_probe(E, H, I, K, T, r, fmt="bf16") -> dict:
