@@ -678,6 +678,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
 
   // p = dout·Wd (+ s·zb·Ad): the gradient of h before the routing weight; h recomputed from g, u.
   phase("backward.dout_down");
+  const long max_blocks = ceil_div(I, BLOCK);  // column blocks of an expert's items, at most
+  std::vector<float> dw_parts(N * max_blocks);
   std::vector<Item> items;
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
@@ -705,22 +707,27 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     });
     if (lora_on[DOWN])
       lora_in_grad(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, I, i0, ib, c, I, per_thread + ith * tile, tile);
+    // The slots' work on this block while it is in cache (a pass of its own re-read ~300 MB at Layer Q):
+    // h = silu(g)·u; this block's share of d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
     for (int m = 0; m < n; ++m) {
-      long o = (sv.offset[e] + m) * I + i0;
+      const long slot = sv.offset[e] + m, o = slot * I + i0;
       ks.silu_mul(ib, G + o, U + o, Hh + o);
+      dw_parts[slot * max_blocks + items[it].block] = ks.dot(ib, P + o, Hh + o);
+      ks.scale(ib, sv.slot_w[slot], P + o);
+      ks.silu_mul_backward(ib, G + o, U + o, P + o, dG + o, dU + o);
     }
   });
 
-  // Per slot: d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
+  // d w per slot: its blocks' shares summed in block order (the same sum whatever thread computed each).
   phase("backward.slots");
-  std::vector<float> dws(N);
-  rt.parallel_for(N, [&](long i, int) {
-    float* p = P + i * I;
-    dws[i] = ks.dot(I, p, Hh + i * I);
-    ks.scale(I, sv.slot_w[i], p);
-    ks.silu_mul_backward(I, G + i * I, U + i * I, p, dG + i * I, dU + i * I);
+  for_routed_experts(rt, sv, E_, [&](long e, int) {
+    const int blocks = int(ceil_div(I, nn_width(tp, int(e), H)));
+    for (long slot = sv.offset[e]; slot < sv.offset[e + 1]; ++slot) {
+      float sum = 0.f;
+      for (int b = 0; b < blocks; ++b) sum += dw_parts[slot * max_blocks + b];
+      gr.dw.as<float>()[sv.slot_src[slot]] = sum;
+    }
   });
-  for (long t = 0; t < long(T) * K; ++t) gr.dw.as<float>()[t] = dws[sv.slot_of[t]];
 
   phase("backward.pack_dg_du_lora");
   if (lora_on[GATE] || lora_on[UP] || tp.rows())
