@@ -716,10 +716,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       ks.scale(ib, sv.slot_w[slot], P + o);
       ks.silu_mul_backward(ib, G + o, U + o, P + o, dG + o, dU + o);
     }
+    if (tp.on(e)) {  // dg, du of these columns in the tile layout for dx, from cache too
+      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at(GT, e, I));
+      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dU, sv, e, I), tp.at(UT, e, I));
+    }
   });
 
   // d w per slot: its blocks' shares summed in block order (the same sum whatever thread computed each).
-  phase("backward.slots");
+  phase("backward.dw_sum");
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int blocks = int(ceil_div(I, nn_width(tp, int(e), H)));
     for (long slot = sv.offset[e]; slot < sv.offset[e + 1]; ++slot) {
@@ -729,19 +733,16 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     }
   });
 
-  phase("backward.pack_dg_du_lora");
-  if (lora_on[GATE] || lora_on[UP] || tp.rows())
+  // LoRA's rank-space rows of dg and du: wz[GATE] = dg·Bg, wz[UP] = du·Bu (reductions over all of I).
+  phase("backward.lora_dg_du");
+  if (lora_on[GATE] || lora_on[UP])
     for_routed_experts(rt, sv, E_, [&](long e, int) {
       const int n = rows_of(sv, int(e));
       const float* dgu[2] = {dG, dU};
-      bf16* dgu_t[2] = {GT, UT};
-      for (int p = GATE; p <= UP; ++p) {
+      for (int p = GATE; p <= UP; ++p)
         if (lora_on[p])
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
-        if (tp.on(int(e)))
-          tp.tk->pack_nn(n, int(I), 0, I, slot_rows(dgu[p], sv, int(e), I), tp.at(dgu_t[p], int(e), I));
-      }
     });
 
   // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.

@@ -245,7 +245,7 @@ def test_engine_phase_profile_splits_each_call_while_on():
         timing.profile_engine_phases(False)
     assert list(phases) == ["forward.route_inputs", "forward.pack_x_lora_in", "forward.gate_up",
                             "forward.lora_in_down", "forward.down_sum", "backward.inputs", "backward.pack_dout_lora",
-                            "backward.dout_down", "backward.slots", "backward.pack_dg_du_lora", "backward.dx",
+                            "backward.dout_down", "backward.dw_sum", "backward.lora_dg_du", "backward.dx",
                             "backward.dx_sum", "backward.weight_grads"], phases
     assert all(v >= 0 for v in phases.values()) and 0 < sum(phases.values()) <= wall, (phases, wall)
     assert timing.engine_phases() == {}  # reset, and nothing added while off:
