@@ -91,6 +91,19 @@ def train_step_ms(fwd, bwd, drop, reps: int) -> tuple[float, float]:
     return statistics.median(fwd_times[1:]), statistics.median(bwd_times[1:])
 
 
+def inference_ms(m, x, idx, w, reps: int) -> float:
+    """Median ms of m's inference forward, in eval mode as inference runs (a no-grad forward in training mode
+    keeps its pass for gradient checkpointing's recompute, which costs more and which the next training
+    forward with the same inputs would take instead of running the engine)."""
+    was_training = m.training
+    m.eval()
+    try:
+        with torch.no_grad():
+            return median_ms(lambda: m(x, idx, w), reps)
+    finally:
+        m.train(was_training)
+
+
 def make_layer(E, H, I, r, seed=0):
     g = torch.Generator().manual_seed(seed)
     gu = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).bfloat16()
@@ -142,8 +155,7 @@ def bench_ours(m, x, idx, w, r, reps, phases=False):
         xg.grad = wg.grad = None
 
     fwd_ms, bwd_ms = train_step_ms(fwd, bwd, drop_grads, reps)
-    with torch.no_grad():
-        inf_ms = median_ms(lambda: m(x, idx, w), reps)
+    inf_ms = inference_ms(m, x, idx, w, reps)
     res = dict(fwd=fwd_ms, bwd=bwd_ms, infer=inf_ms)
     if phases:  # separate training steps, so the profile's clock reads stay out of the timings above
         timing.profile_engine_phases(True)
@@ -267,8 +279,7 @@ def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res, phases=False
         xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
         m = experts_module(gu, dn, q)
         m.add_lora(r, 2 * r)
-        with torch.no_grad():
-            ms = median_ms(lambda: m(xd, idxd, wd), max(reps, 20))
+        ms = inference_ms(m, xd, idxd, wd, max(reps, 20))
         res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
     if "rss" not in skip:
         res["rss"][fmt] = rss_probe(E, H, I, K, x.shape[0], r, fmt)

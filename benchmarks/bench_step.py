@@ -43,6 +43,7 @@ def main():
     gen = torch.Generator().manual_seed(4)
     routes = [torch.randperm(E, generator=gen)[:K].unsqueeze(0) for _ in range(40)]
     rounds = []
+    m.eval()  # as inference runs: a no-grad forward in training mode would keep its pass for a recompute
     with torch.no_grad():
         for _ in range(15):
             calls = []
