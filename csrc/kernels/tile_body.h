@@ -28,10 +28,40 @@ constexpr long TBYTES = TC * 2;  // bytes of a tile row
 
 inline __mmask16 first16(long n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
-// Lane i holds 16·i: the offsets, in 32-bit elements, of the 16 rows (or 16 columns) of a 16×16 tile.
-inline __m512i tile_lane_offsets() {
-  return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                            _mm512_set1_epi32(TR));
+// Permute indices of transpose16's stage s for the row r of each pair (lo) and its partner r + 2^s (hi); an
+// index ≥ 16 takes lane index − 16 of the partner.
+struct TransposeIndex {
+  alignas(64) int lo[4][16];
+  alignas(64) int hi[4][16];
+};
+constexpr TransposeIndex transpose_index() {
+  TransposeIndex t{};
+  for (int s = 0; s < 4; ++s)
+    for (int c = 0; c < 16; ++c) {
+      const int d = 1 << s;
+      const bool upper = c & d;
+      t.lo[s][c] = upper ? 16 + c - d : c;  // r keeps its lanes with bit s clear, takes r + d's shifted up
+      t.hi[s][c] = upper ? 16 + c : c + d;  // r + d takes r's lanes with bit s set shifted down, keeps its own
+    }
+  return t;
+}
+constexpr TransposeIndex kTransposeIndex = transpose_index();
+
+// v[i] lane j ← v[j] lane i: a 16×16 matrix of 32-bit elements transposed in registers. Stage s swaps bit s of
+// the row index with bit s of the lane index, one two-source permute per row (64 in all, no memory: a gather
+// or scatter of 16 lanes costs several times more per tile, and more where the microcode mitigates Gather
+// Data Sampling).
+inline void transpose16(__m512i* v) {
+  for (int s = 0; s < 4; ++s) {
+    const int d = 1 << s;
+    const __m512i lo = _mm512_load_si512(kTransposeIndex.lo[s]), hi = _mm512_load_si512(kTransposeIndex.hi[s]);
+    for (int r = 0; r < 16; ++r) {
+      if (r & d) continue;
+      const __m512i a = v[r], b = v[r + d];
+      v[r] = _mm512_permutex2var_epi32(a, lo, b);
+      v[r + d] = _mm512_permutex2var_epi32(a, hi, b);
+    }
+  }
 }
 
 // 32 floats from src (the first `n` of them; zeros for the rest) rounded to BF16 (nearest even), as 16
@@ -43,29 +73,33 @@ inline __m512i bf16_pairs(const float* src, long n) {
   return reinterpret_cast<const __m512i&>(v);
 }
 
-// Columns [k0, kend) of rows [0, tile_rows(M)) in 32-column steps: emit(m, k, pairs) with the BF16 pairs of
-// row m, columns [k, k + 32) (zeros past the row's real columns [k0, k0 + klen) and past M).
-template <class Emit>
-void pack_rows(int M, int K, long k0, long klen, const kt::Rows<float>& a, Emit emit) {
-  const long kend = k0 + klen == K ? kt::tile_ld(K) : k0 + klen;
-  for (long m = 0; m < kt::tile_rows(M); ++m)
-    for (long k = k0; k < kend; k += TC)
-      emit(m, k, m < M ? bf16_pairs(a.at(m) + k, k0 + klen - k) : _mm512_setzero_si512());
+// The end of the 32-column steps over columns [k0, k0 + klen) of a K-column matrix: the last step of the
+// matrix runs to its padded width.
+inline long pack_end(int K, long k0, long klen) { return k0 + klen == K ? kt::tile_ld(K) : k0 + klen; }
+
+// The BF16 pairs of row m, columns [k, k + 32): zeros past the row's real columns [k0, k0 + klen) and past M.
+inline __m512i row_pairs(int M, long k0, long klen, const kt::Rows<float>& a, long m, long k) {
+  return m < M ? bf16_pairs(a.at(m) + k, k0 + klen - k) : _mm512_setzero_si512();
 }
 
+// Pair p of row m goes to pair-row p of its block, column m % 16: the block is the transpose of its 16 rows'
+// pairs, built in registers and stored as 1 KB in one piece.
 void pack_nt(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
-  const long kblocks = kt::tile_ld(K) / TC;
-  // Pair p of row m goes to pair-row p of its block, column m % 16: a stride of 16 pairs.
-  const __m512i to_rows = tile_lane_offsets();
-  pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) {
-    bf16* blk = dst + ((m / TR) * kblocks + k / TC) * TBLK + (m % TR) * 2;
-    _mm512_i32scatter_epi32(blk, to_rows, pairs, 4);
-  });
+  const long kblocks = kt::tile_ld(K) / TC, kend = pack_end(K, k0, klen);
+  for (long m0 = 0; m0 < kt::tile_rows(M); m0 += TR)
+    for (long k = k0; k < kend; k += TC) {
+      __m512i v[TR];
+      for (int i = 0; i < TR; ++i) v[i] = row_pairs(M, k0, klen, a, m0 + i, k);
+      transpose16(v);
+      bf16* blk = dst + ((m0 / TR) * kblocks + k / TC) * TBLK;
+      for (int p = 0; p < TR; ++p) _mm512_storeu_si512(blk + p * TC, v[p]);
+    }
 }
 
 void pack_nn(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
-  const long ld = kt::tile_ld(K);
-  pack_rows(M, K, k0, klen, a, [&](long m, long k, __m512i pairs) { _mm512_storeu_si512(dst + m * ld + k, pairs); });
+  const long ld = kt::tile_ld(K), kend = pack_end(K, k0, klen);
+  for (long m = 0; m < kt::tile_rows(M); ++m)
+    for (long k = k0; k < kend; k += TC) _mm512_storeu_si512(dst + m * ld + k, row_pairs(M, k0, klen, a, m, k));
 }
 
 // dst[0, n) = src[0, n) rounded to BF16 (nearest even), 16 at a time.
@@ -142,11 +176,14 @@ inline void request_share(const kt::Upcoming& u, long at, long total) {
 // mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
 void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate) {
   const __mmask16 cols = first16(nr);
-  const __m512i column = tile_lane_offsets();
+  __m512i rows[TR];
+  if (transposed) {
+    for (int i = 0; i < TR; ++i) rows[i] = _mm512_load_si512(t + i * TR);
+    transpose16(rows);
+  }
   for (int i = 0; i < mr; ++i) {
     float* row = c + long(m0 + i) * ldc + n0;
-    __m512 v = transposed ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), cols, column, t + i, 4)
-                          : _mm512_maskz_loadu_ps(cols, t + i * TR);
+    __m512 v = transposed ? _mm512_castsi512_ps(rows[i]) : _mm512_maskz_loadu_ps(cols, t + i * TR);
     if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, row));
     _mm512_mask_storeu_ps(row, cols, v);
   }
