@@ -96,8 +96,13 @@ def test_full_mode_parity(kernels, shape):
     check(got, ref, FP32_IO, shape)
 
 
-def test_bf16_activations(kernels):
-    shape = SHAPES[0]
+# Decode-sized shapes too: one or two rows per expert take the BF16 dot products' decode blocking.
+BF16_ACTIVATION_SHAPES = [s for s in SHAPES if s.name in ("typical", "experts_without_tokens", "t1_decode",
+                                                          "decode_odd_h")]
+
+
+@pytest.mark.parametrize("shape", BF16_ACTIVATION_SHAPES, ids=lambda s: s.name)
+def test_bf16_activations(kernels, shape):
     m = make_module(shape, lora=True)
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got = run_engine(m, x, idx, w, g)

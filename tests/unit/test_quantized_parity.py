@@ -36,6 +36,18 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     m = make_module(shape, lora=False, expert_format=fmt)
     x, idx, w, g = inputs(shape)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+    check_bf16_activations(fmt, shape, kernels)
+
+
+# One or two rows per expert (decode) take the INT4 BF16 dot product on the kernel sets that have one.
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("experts_without_tokens", "t1_decode")],
+                         ids=lambda s: s.name)
+def test_quantized_decode_with_bf16_activations(kernels, fmt, shape):
+    check_bf16_activations(fmt, shape, kernels)
+
+
+def check_bf16_activations(fmt, shape, kernels):
     m = make_module(shape, lora=True, expert_format=fmt)
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got = run_engine(m, x, idx, w, g)
