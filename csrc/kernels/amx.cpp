@@ -56,9 +56,6 @@ namespace kt {
 const KernelSet& kernels_amx() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("amx");
-    // Rows not on tiles take avx512_bf16's BF16 dot products (every CPU with tiles has them).
-    s.gemm_nt_bf16_act = kernels_avx512_bf16().gemm_nt_bf16_act;
-    s.gemm_nt_int4_act = kernels_avx512_bf16().gemm_nt_int4_act;
     s.tiles = &tile_kernels<AmxTiles>();
     return s;
   }();

@@ -143,18 +143,6 @@ inline void widen_row(const kt::Rows<int4_group>& b, long i, long col0, long len
   widen_quantized(cursor<Simd>(b, i), col0, len, dst);
 }
 
-// Share `at` of `total` of the next product's lines (u; a partial first or last line of a run counted whole),
-// requested into L2: a product asks for one share per reduction step, so the requests spread over its run.
-inline void request_share(const kt::Upcoming& u, long at, long total) {
-  if (!u.rows) return;
-  const long per = (u.len + 63) / 64 + ((reinterpret_cast<uintptr_t>(u.p) | uintptr_t(u.stride)) % 64 != 0);
-  const long lines = u.rows * per;
-  for (long l = at * lines / total, end = (at + 1) * lines / total; l < end; ++l) {
-    const uintptr_t run = reinterpret_cast<uintptr_t>(u.p + (l / per) * u.stride) & ~uintptr_t(63);
-    __builtin_prefetch(reinterpret_cast<const char*>(run + (l % per) * 64), 0, 2);  // into L2
-  }
-}
-
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk.
 template <int MR, int NR, class TBp>
 void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
@@ -496,7 +484,6 @@ kt::KernelSet make_kernel_set(const char* name) {
                        gemm_nn<float>,
                        gemm_nt<fp8_block>,
                        gemm_nn<fp8_block>,
-                       gemm_nt<int4_group>,
                        gemm_nt<int4_group>,
                        gemm_nn<int4_group>,
                        silu_mul,

@@ -144,8 +144,6 @@ struct KernelSet {
   void (*gemm_nt_fp8)(const GemmNT<fp8_block>&);
   void (*gemm_nn_fp8)(const GemmNN<fp8_block>&);
   void (*gemm_nt_int4)(const GemmNT<int4_group>&);
-  // The same for activations that came in as BF16 (as gemm_nt_bf16_act may round them).
-  void (*gemm_nt_int4_act)(const GemmNT<int4_group>&);
   void (*gemm_nn_int4)(const GemmNN<int4_group>&);
   // h = silu(g) * u
   void (*silu_mul)(long n, const float* g, const float* u, float* h);

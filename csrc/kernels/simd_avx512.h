@@ -38,12 +38,6 @@ struct Simd {
     const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, shifts), values);
   }
-  // 32 nibbles of 16 bytes (byte j holds weights 2j in its low nibble and 2j + 1 in its high one), each in the
-  // low bits of 16-bit lane 2j or 2j + 1: the index lanes of a 16-entry BF16 table lookup (vpermw).
-  static __m512i int4_lanes(__m128i bytes) {
-    const __m512i x = _mm512_cvtepu8_epi32(bytes);
-    return _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), _mm512_set1_epi32(0x000f000f));
-  }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }

@@ -129,8 +129,10 @@ inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
                                       _mm512_set1_ps(cur.scale(c)));
   const __m256bh rounded = _mm512_cvtneps_pbh(values);
   const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(rounded));
-  return _mm512_permutexvar_epi16(Simd::int4_lanes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cur.w + c / 8))),
-                                  table);
+  // Byte j holds weights 2j (low nibble) and 2j + 1 (high): spread into 16-bit lanes 2j and 2j + 1.
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cur.w + c / 8)));
+  const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), _mm512_set1_epi32(0x000f000f));
+  return _mm512_permutexvar_epi16(nibbles, table);
 }
 
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
@@ -155,6 +157,18 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
       }
     }
     return dst;
+  }
+}
+
+// Share `at` of `total` of the next product's lines (u; a partial first or last line of a run counted whole),
+// requested into L2: a product asks for one share per reduction step, so the requests spread over its run.
+inline void request_share(const kt::Upcoming& u, long at, long total) {
+  if (!u.rows) return;
+  const long per = (u.len + 63) / 64 + ((reinterpret_cast<uintptr_t>(u.p) | uintptr_t(u.stride)) % 64 != 0);
+  const long lines = u.rows * per;
+  for (long l = at * lines / total, end = (at + 1) * lines / total; l < end; ++l) {
+    const uintptr_t run = reinterpret_cast<uintptr_t>(u.p + (l / per) * u.stride) & ~uintptr_t(63);
+    _mm_prefetch(reinterpret_cast<const char*>(run + (l % per) * 64), _MM_HINT_T1);
   }
 }
 

@@ -96,7 +96,7 @@ def test_full_mode_parity(kernels, shape):
     check(got, ref, FP32_IO, shape)
 
 
-# Decode-sized shapes too: one or two rows per expert take the BF16 dot products' decode blocking.
+# Decode-sized shapes too: experts with one or two rows take short row blocks (on amx, rows not on tiles).
 BF16_ACTIVATION_SHAPES = [s for s in SHAPES if s.name in ("typical", "experts_without_tokens", "t1_decode",
                                                           "decode_odd_h")]
 

@@ -39,7 +39,8 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     check_bf16_activations(fmt, shape, kernels)
 
 
-# One or two rows per expert (decode) take the INT4 BF16 dot product on the kernel sets that have one.
+# One or two rows per expert (decode) with BF16 activations: the decode kernels of every set (on amx, rows not on
+# tiles).
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("experts_without_tokens", "t1_decode")],
                          ids=lambda s: s.name)
