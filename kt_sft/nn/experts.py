@@ -149,6 +149,39 @@ class KTExperts(nn.Module):
         self.lora_dropout_p[adapter] = float(dropout)
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
 
+    def merge_lora(self, adapter: str, sign: float = 1.0, check_finite: bool = False) -> None:
+        """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
+        one expert at a time in float32, each weight rounded once to BF16 (so taking it back restores the weights
+        to within that rounding, as PEFT's unmerge of a BF16 layer does). check_finite: every expert's merged
+        weights are checked before any is written, so a NaN/Inf in the adapter leaves the weights untouched."""
+        if self.expert_format != "bf16":
+            raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
+                             "adapter separate (kt_sft serves it unmerged), or prepare the model with --expert-format "
+                             "bf16 and merge into its BF16 experts.")
+        if adapter not in self.lora_A:
+            raise ValueError(f"no LoRA adapter {adapter!r} on these experts (have: {sorted(self.lora_A)}).")
+        I = self.intermediate_size
+        A, B = self.lora_A[adapter], self.lora_B[adapter]
+        targets = {"gate": lambda e: self.gate_up_proj[e, :I], "up": lambda e: self.gate_up_proj[e, I:],
+                   "down": lambda e: self.down_proj[e]}
+        scale = sign * self.scaling[adapter]
+
+        def merged(p, e):
+            w = targets[p](e)
+            return w, (w.float() + scale * (B[p][e].float() @ A[p][e].float())).to(torch.bfloat16)
+
+        with torch.no_grad():
+            for write in ((False, True) if check_finite else (True,)):
+                for p in A:
+                    for e in range(self.num_experts):
+                        w, new = merged(p, e)
+                        if write:
+                            w.copy_(new)
+                        elif not torch.isfinite(new).all():
+                            raise ValueError(f"merging adapter {adapter!r} would put NaN/Inf into expert {e}'s {p} "
+                                             "weights; the weights were left unmerged.")
+        self.__dict__.pop("_kept", None)  # a kept first pass ran on the old weights
+
     def active_lora(self) -> str | None:
         """The adapter the engine applies on this call, or None for the base experts."""
         return self._active_adapter if self._active_adapter in self.lora_A else None

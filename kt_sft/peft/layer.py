@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
+from ..formats import QuantizedExperts
 from ..nn.experts import KTExperts
 
 
@@ -37,6 +39,12 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         self.ephemeral_gpu_offload = False
         self.cast_input_dtype_enabled = True
         self.in_features = self.out_features = self.hidden_size
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # PEFT reads a tuner layer's `weight` (its device, when it replaces the layer in unload); BaseTunerLayer's
+        # looks it up on the base layer, which for this layer is itself: endless recursion.
+        return self.gate_up_proj
 
     def update_layer(self, adapter_name, r, lora_alpha, config=None, **kwargs):
         # peft 0.18 passes the settings as keywords; newer peft (checked: 0.21) passes the LoraConfig as `config`.
@@ -60,7 +68,12 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         return super().forward(hidden_states, top_k_index, top_k_weights)
 
     def active_lora(self) -> str | None:
+        # As PEFT's own layers: merged adapters act through the weights; disabling adapters unmerges them first.
         if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return None
+        if self.merged:
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) > 1:
@@ -68,7 +81,22 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         return active[0] if active else None
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        raise NotImplementedError("merging LoRA into the CPU experts is not built yet; keep the adapter separate.")
+        """PEFT's merge: the adapters' updates added into the BF16 expert weights (KTExperts.merge_lora)."""
+        for name in check_adapters_to_merge(self, adapter_names):
+            self.merge_lora(name, check_finite=safe_merge)
+            self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
-        raise NotImplementedError("merging LoRA into the CPU experts is not built yet; nothing to unmerge.")
+        while self.merged_adapters:
+            self.merge_lora(self.merged_adapters.pop(), sign=-1.0)
+
+    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> KTExperts:
+        """PEFT's merge_and_unload / unload for these experts: plain KTExperts over the same weights (no copy), the
+        adapters merged into them first when asked."""
+        if merge:
+            self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        if self.expert_format == "bf16":
+            return KTExperts(self.gate_up_proj, self.down_proj, train_base=self.gate_up_proj.requires_grad,
+                             check_finite=self.check_finite)
+        return KTExperts(QuantizedExperts(self.expert_format, self.gate_up_proj, self.down_proj, self.gate_up_scale,
+                                          self.down_scale), check_finite=self.check_finite)

@@ -11,7 +11,7 @@ from kt_sft.models import use_cpu_experts
 from kt_sft.ops.reference import ReferenceExperts
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import CONFIGS, tiny_model
-from tolerances import FP32_IO, TRAIN_STEPS, rel_l2
+from tolerances import FP32_IO, MERGED_BF16, TRAIN_STEPS, rel_l2
 
 ARCHS = sorted(CONFIGS)
 LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
@@ -103,6 +103,58 @@ def test_adapter_saves_expert_lora_and_reloads(model_type, tmp_path):
     ids = batch(3)["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, kt(ids).logits)
+
+
+def merged_in_float64(module):
+    """The experts' (gate_up, down) with the adapter's scaling·B·A added in float64, rounded once to BF16."""
+    A, B, s, I = module.lora_A["default"], module.lora_B["default"], module.scaling["default"], module.intermediate_size
+    gu, dn = module.gate_up_proj.detach().double(), module.down_proj.detach().double()
+    gu[:, :I] += s * B["gate"].double() @ A["gate"].double()
+    gu[:, I:] += s * B["up"].double() @ A["up"].double()
+    dn += s * B["down"].double() @ A["down"].double()
+    return gu.bfloat16(), dn.bfloat16()
+
+
+def within_a_bf16_step(a, ref):
+    """a rounds like ref up to one BF16 step: the float32 sum may cross a rounding boundary that float64's did not."""
+    return torch.allclose(a.float(), ref.float(), rtol=2.0**-7, atol=0.0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_merged_adapter_matches_the_adapter(model_type):
+    kt, _ = kt_and_reference(model_type)
+    ids = batch(3)["input_ids"]
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    original = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in experts]
+    expected = [merged_in_float64(m) for m in experts]
+    with torch.no_grad():
+        adapter = kt(ids).logits
+        kt.merge_adapter()
+        for m, (gu, dn) in zip(experts, expected):
+            assert m.merged and within_a_bf16_step(m.gate_up_proj, gu) and within_a_bf16_step(m.down_proj, dn)
+        merged = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone()) for m in experts]
+        assert rel_l2(kt(ids).logits, adapter) <= MERGED_BF16
+        kt.unmerge_adapter()
+        for m, before, after in zip(experts, original, merged):
+            assert not m.merged
+            for w, w0, w1 in zip((m.gate_up_proj, m.down_proj), before, after):
+                # Two roundings away at most: half a BF16 step of the merged weight, half of the restored one.
+                assert ((w.float() - w0.float()).abs() <= 2.0**-8 * (w1.float().abs() + w.float().abs())).all()
+        plain = kt.merge_and_unload()
+        assert not any(isinstance(m, KTExpertsLinear) for m in plain.modules())
+        assert not [k for k in plain.state_dict() if "lora" in k]
+        assert rel_l2(plain(ids).logits, adapter) <= MERGED_BF16
+
+
+def test_safe_merge_refuses_a_non_finite_adapter_and_leaves_the_weights():
+    kt, _ = kt_and_reference("qwen3_moe")
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    before = experts[0].gate_up_proj.detach().clone()
+    with torch.no_grad():
+        experts[0].lora_B["default"]["up"][1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="would put NaN/Inf into expert 1's up weights"):
+        experts[0].merge(safe_merge=True)
+    assert torch.equal(experts[0].gate_up_proj, before) and not experts[0].merged
 
 
 def test_unsupported_model_type_is_a_clear_error():

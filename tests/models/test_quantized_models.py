@@ -143,3 +143,20 @@ def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path
     ref = load(dequantized_copy(published["int4"], tmp_path / "ref", "deepseek_v3"))
     with torch.no_grad():
         assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+
+def test_merging_into_quantized_experts_is_refused_and_unloading_keeps_them(published, tmp_path):
+    out = tmp_path / "prepared"
+    main(["prepare", str(published["int4"]), str(out)])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    lora = peft.get_peft_model(load(out).requires_grad_(False), config)
+    experts = [m for m in lora.modules() if isinstance(m, KTExpertsLinear)]
+    with pytest.raises(ValueError, match="merging LoRA into INT4 experts would requantize them"):
+        experts[0].merge()
+    assert not experts[0].merged
+    with torch.no_grad():
+        with lora.disable_adapter():
+            base = lora(IDS).logits
+        plain = lora.unload()
+        assert not any(isinstance(m, KTExpertsLinear) for m in plain.modules())
+        assert torch.equal(plain(IDS).logits, base)
