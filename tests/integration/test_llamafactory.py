@@ -1,6 +1,6 @@
 """End to end through the stock `llamafactory-cli` (0.9.5, no forks, no use_kt): the demo checkpoint is
 prepared, LoRA-trained (attention + every routed expert on the CPU engine), resumed from a checkpoint on
-the same loss curve, chatted with, and fully fine-tuned."""
+the same loss curve, chatted with, exported with the adapter merged, and fully fine-tuned."""
 import json
 import os
 import re
@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from peft import PeftModel
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from kt_sft.integrations.demo import ANSWER, write_demo
+from tolerances import MERGED_BF16, rel_l2
 
 # The CLI of this interpreter's environment first (a venv need not be on PATH).
 _HERE = Path(sys.executable).parent / "llamafactory-cli"
@@ -85,6 +89,23 @@ def test_chat_with_the_adapter_answers_from_the_data(demo, lora_run):
     out = run(["chat", str(chat)], demo, stdin="Who are you?\nexit\n")
     replies = [line for line in out.splitlines() if "Assistant:" in line]
     assert any(f"Assistant: {ANSWER}" in line for line in replies), replies
+
+
+def test_export_merges_the_adapter_into_a_stock_checkpoint(demo, lora_run):
+    export = write_yaml(demo / "export_a.yaml", demo / "chat.yaml", adapter_name_or_path=str(lora_run),
+                        export_dir=str(demo / "merged"), export_device="cpu")
+    run(["export", str(export)], demo)
+    with safe_open(str(demo / "merged" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in keys, "merged weights keep the per-expert layout"
+    assert not [k for k in keys if "lora" in k]
+    ids = torch.tensor([[1, 5, 9, 14, 20, 31]])
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        demo / "prepared", trust_remote_code=True, dtype=torch.float32), lora_run)
+    stock = AutoModelForCausalLM.from_pretrained(demo / "merged", dtype=torch.float32)  # no kt_sft code
+    assert "KTExperts" not in type(stock.model.layers[0].mlp.experts).__name__
+    with torch.no_grad():
+        assert rel_l2(stock(ids).logits, adapter(ids).logits) <= MERGED_BF16
 
 
 def test_full_finetuning_trains_expert_weights(demo):
