@@ -168,7 +168,7 @@ class KTExperts(nn.Module):
 
         def merged(p, e):
             w = targets[p](e)
-            return w, (w.float() + scale * (B[p][e].float() @ A[p][e].float())).to(torch.bfloat16)
+            return w, torch.addmm(w.float(), B[p][e].float(), A[p][e].float(), alpha=scale).to(torch.bfloat16)
 
         with torch.no_grad():
             for write in ((False, True) if check_finite else (True,)):
