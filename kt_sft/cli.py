@@ -1,6 +1,7 @@
 """kt-sft command line: `doctor` (what this machine can run), `prepare` (a model directory that
-transformers / LLaMA-Factory load with the routed experts on the CPU engine) and `demo` (a tiny local MoE
-checkpoint, dataset and LLaMA-Factory configs for the quick start)."""
+transformers / LLaMA-Factory load with the routed experts on the CPU engine), `export` (a trained adapter's
+expert LoRA per expert, for other runtimes) and `demo` (a tiny local MoE checkpoint, dataset and LLaMA-Factory
+configs for the quick start)."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,14 @@ def prepare_cmd(args) -> int:
     return 0
 
 
+def export_cmd(args) -> int:
+    from .integrations.export import export_adapter
+
+    out = export_adapter(args.adapter_dir, args.out_dir, model_dir=args.model)
+    print(f"exported {out}: the adapter with its expert LoRA per expert (…experts.<e>.<projection>.lora_A/B.weight)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -61,6 +70,12 @@ def main(argv=None) -> int:
                    help="routed experts in RAM as BF16, FP8 block-128 or INT4 group-32 (default: the checkpoint's own "
                         "format; quantizing trades accuracy for RAM, and full fine-tuning needs bf16)")
     p.set_defaults(fn=prepare_cmd)
+    x = sub.add_parser("export", help="rewrite a trained adapter's expert LoRA per expert, in the layout runtimes with "
+                                      "per-expert modules read")
+    x.add_argument("adapter_dir", help="the saved adapter (training output_dir or a checkpoint)")
+    x.add_argument("out_dir", help="where to write the per-expert adapter")
+    x.add_argument("--model", help="the model directory it was trained on (default: the adapter's base_model_name_or_path)")
+    x.set_defaults(fn=export_cmd)
     d = sub.add_parser("demo", help="write a tiny MoE checkpoint, dataset and LLaMA-Factory configs (no downloads)")
     d.add_argument("out_dir")
     d.set_defaults(fn=demo)
