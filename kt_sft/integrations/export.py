@@ -58,20 +58,22 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     if any("experts" in k for k in (*config.get("rank_pattern", {}), *config.get("alpha_pattern", {}))):
         raise ValueError("rank_pattern / alpha_pattern entries for the experts have no per-expert equivalent here; "
                          "export an adapter trained with one rank and alpha on the experts.")
-    tensors, out = load_file(str(adapter_dir / ADAPTER_WEIGHTS)), {}
-    for key, t in tensors.items():
+    out, stacked = {}, 0
+    for key, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items():
         m = _STACKED.match(key)
         if m is None:
             out[key] = t
             continue
+        stacked += 1
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
             module = arch.expert_key(int(m["layer"]), e, proj).removesuffix(".weight")
             out[f"{m['pre']}{module}.lora_{m['ab']}.weight"] = t[e].contiguous()
-    if len(out) == len(tensors):
+    if not stacked:
         raise ValueError(f"{adapter_dir} holds no expert LoRA (no `…experts.lora_A.gate`-style tensors); it needs no "
                          "per-expert export.")
-    config["target_modules"] = sorted({*[k for k in targets if k != "experts"], *arch.checkpoint_projections})
+    kept = [k for k in targets if not k.endswith("experts")]
+    config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

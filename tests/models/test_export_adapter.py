@@ -89,3 +89,13 @@ def test_export_names_what_it_needs(tmp_path):
     _, model_dir = trained_adapter("qwen3_moe", tmp_path)
     with pytest.raises(FileNotFoundError, match="pass the model directory with --model"):
         main(["export", str(tmp_path / "adapter"), str(tmp_path / "out")])
+
+
+def test_an_adapter_without_expert_lora_is_named(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "model")
+    use_cpu_experts(model)
+    get_peft_model(model.requires_grad_(False), LoraConfig(r=4, target_modules=["o_proj"])).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(ValueError, match="holds no expert LoRA"):
+        main(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")])
