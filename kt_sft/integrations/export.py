@@ -1,5 +1,5 @@
-"""`kt-sft export <adapter-dir> <out-dir>`: a trained adapter in the per-expert PEFT layout that runtimes built on
-per-expert expert modules read (transformers 4.x PEFT; vLLM and SGLang's MoE LoRA), instead of kt_sft's stacked one.
+"""`kt-sft export <adapter-dir> <out-dir>`: a trained adapter in the layout PEFT gives adapters on per-expert
+modules (transformers 4.x MoE blocks), for runtimes that take LoRA per expert, instead of kt_sft's stacked one.
 
 kt_sft saves expert LoRA stacked per layer and projection (`…mlp.experts.lora_A.gate` [E, r, H], `…lora_B.gate`
 [E, I, r]). The per-expert layout names each expert's projection as the published checkpoint does and gives it a
