@@ -67,8 +67,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
         stacked += 1
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
-            module = arch.expert_key(int(m["layer"]), e, proj).removesuffix(".weight")
-            out[f"{m['pre']}{module}.lora_{m['ab']}.weight"] = t[e].contiguous()
+            out[f"{m['pre']}{arch.expert_module(int(m['layer']), e, proj)}.lora_{m['ab']}.weight"] = t[e].contiguous()
     if not stacked:
         raise ValueError(f"{adapter_dir} holds no expert LoRA (no `…experts.lora_A.gate`-style tensors); it needs no "
                          "per-expert export.")

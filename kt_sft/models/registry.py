@@ -25,6 +25,10 @@ class MoEArchitecture:
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
         return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])
 
+    def expert_module(self, layer: int, expert: int, proj: int) -> str:
+        """The module path of expert_key's weight (a per-expert nn.Linear, as PEFT names LoRA on it)."""
+        return self.expert_key(layer, expert, proj).removesuffix(".weight")
+
     def module_key(self, checkpoint_key: str) -> str:
         for old, new in self.key_renames:
             checkpoint_key = checkpoint_key.replace(old, new)

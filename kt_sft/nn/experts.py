@@ -98,8 +98,19 @@ class KTExperts(nn.Module):
         quantized weights dequantized (exactly) to float32."""
         if self.expert_format == "bf16":
             return self.gate_up_proj, self.down_proj
+        return self.quantized_weights().dequantize()
+
+    def quantized_weights(self) -> QuantizedExperts:
+        """The FP8/INT4 experts' buffers as the QuantizedExperts they were built from (no copy)."""
         return QuantizedExperts(self.expert_format, self.gate_up_proj, self.down_proj, self.gate_up_scale,
-                                self.down_scale).dequantize()
+                                self.down_scale)
+
+    def projection_weight(self, proj: str, e: int) -> torch.Tensor:
+        """Expert e's weight of projection proj ("gate", "up" [I, H] or "down" [H, I]): a view into the fused stacks."""
+        if proj == "down":
+            return self.down_proj[e]
+        I = self.intermediate_size
+        return self.gate_up_proj[e, :I] if proj == "gate" else self.gate_up_proj[e, I:]
 
     @classmethod
     def from_per_expert(cls, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
@@ -160,14 +171,11 @@ class KTExperts(nn.Module):
                              "bf16 and merge into its BF16 experts.")
         if adapter not in self.lora_A:
             raise ValueError(f"no LoRA adapter {adapter!r} on these experts (have: {sorted(self.lora_A)}).")
-        I = self.intermediate_size
         A, B = self.lora_A[adapter], self.lora_B[adapter]
-        targets = {"gate": lambda e: self.gate_up_proj[e, :I], "up": lambda e: self.gate_up_proj[e, I:],
-                   "down": lambda e: self.down_proj[e]}
         scale = sign * self.scaling[adapter]
 
         def merged(p, e):
-            w = targets[p](e)
+            w = self.projection_weight(p, e)
             return w, torch.addmm(w.float(), B[p][e].float(), A[p][e].float(), alpha=scale).to(torch.bfloat16)
 
         with torch.no_grad():

@@ -18,7 +18,6 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from ..formats import QuantizedExperts
 from ..nn.experts import KTExperts
 
 
@@ -98,5 +97,4 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         if self.expert_format == "bf16":
             return KTExperts(self.gate_up_proj, self.down_proj, train_base=self.gate_up_proj.requires_grad,
                              check_finite=self.check_finite)
-        return KTExperts(QuantizedExperts(self.expert_format, self.gate_up_proj, self.down_proj, self.gate_up_scale,
-                                          self.down_scale), check_finite=self.check_finite)
+        return KTExperts(self.quantized_weights(), check_finite=self.check_finite)

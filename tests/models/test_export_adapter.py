@@ -11,6 +11,7 @@ from torch import nn
 
 from kt_sft.cli import main
 from kt_sft.models import architecture_of, use_cpu_experts
+from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import tiny_model
 from tolerances import FP32_IO, rel_l2
@@ -35,15 +36,13 @@ def per_expert_tree(peft_model, arch):
         if not isinstance(m, KTExpertsLinear):
             continue
         layer = int(name.split("layers.")[1].split(".")[0])
-        I = m.intermediate_size
-        weights = [lambda e: m.gate_up_proj[e, :I], lambda e: m.gate_up_proj[e, I:], lambda e: m.down_proj[e]]
         for e in range(m.num_experts):
             for p in range(3):
-                w = weights[p](e).detach().float()
+                w = m.projection_weight(PROJECTIONS[p], e).detach().float()
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
                 linear.weight.data.copy_(w)
                 parent = root
-                *path, leaf = arch.expert_key(layer, e, p).removesuffix(".weight").split(".")
+                *path, leaf = arch.expert_module(layer, e, p).split(".")
                 for part in path:
                     if not hasattr(parent, part):
                         parent.add_module(part, nn.Module())
@@ -75,7 +74,7 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
     x = torch.randn(5, peft_model.config.hidden_size)
     for layer, experts in layers:
         for e in range(experts.num_experts):
-            g, u, d = (per_expert.get_submodule("base_model.model." + arch.expert_key(layer, e, p).removesuffix(".weight"))
+            g, u, d = (per_expert.get_submodule(f"base_model.model.{arch.expert_module(layer, e, p)}")
                        for p in range(3))
             with torch.no_grad():
                 want = d(torch.nn.functional.silu(g(x)) * u(x))
