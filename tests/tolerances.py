@@ -31,7 +31,10 @@ BF16_GRAD = 4e-3
 # dot product of such terms keeps about that relative error. Outputs see two roundings in sequence (x, then
 # h): ~1.6e-3; gradients reuse the saved g, u and add their own products, and silu' can amplify an input
 # error up to ~1.1x. On amx, FP8/INT4 weights are also rounded to BF16 once decoded (weight × scale to the
-# nearest BF16: one more rounding of the same size per product). 1e-2 leaves a 3-5x margin.
+# nearest BF16: one more rounding of the same size per product), and the LoRA products of experts on tiles take
+# BF16 operands (A, B, and the rank-space rows z = x·Aᵀ, wz = dy·B rounded once each, as stock PEFT's products
+# under bf16 autocast): one or two more roundings of that size in the LoRA terms and grads. 1e-2 leaves a
+# 3-5x margin.
 BF16_DOT = 1e-2
 
 

@@ -93,7 +93,8 @@ struct Upcoming {
   long stride = 0, len = 0, rows = 0;
 };
 
-// C[m, n] (+)= Σ_k A[m, k] · B[n, k], A in the nt layout.
+// C[m, n] (+)= alpha · Σ_k A[m, k] · B[n, k], A in the nt layout. B may also be float32 (LoRA matrices,
+// rank-space rows): rounded to BF16 as the kernel reads it, as the quantized weights are decoded.
 template <class TB>
 struct TileNT {
   int M, N, K;
@@ -103,9 +104,10 @@ struct TileNT {
   long ldc;
   bool accumulate;
   Upcoming next;
+  float alpha = 1.f;
 };
 
-// C[m, n] (+)= Σ_k A[m, k] · B[k, b_off + n], A in the nn layout.
+// C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout.
 template <class TB>
 struct TileNN {
   int M, N, K;
@@ -116,6 +118,7 @@ struct TileNN {
   long ldc;
   bool accumulate;
   Upcoming next;
+  float alpha = 1.f;
 };
 
 struct TileKernels {
@@ -130,6 +133,8 @@ struct TileKernels {
   void (*nn_bf16)(const TileNN<bf16>&);
   void (*nn_fp8)(const TileNN<fp8_block>&);
   void (*nn_int4)(const TileNN<int4_group>&);
+  void (*nt_f32)(const TileNT<float>&);
+  void (*nn_f32)(const TileNN<float>&);
 };
 
 struct KernelSet {

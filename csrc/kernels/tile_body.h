@@ -136,12 +136,15 @@ inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
 }
 
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
-// copied), for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
+// copied), for float32 rows (LoRA) rounded to the nearest even BF16, for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
 // to the nearest BF16): 32 at a time straight to BF16, the edges of a block or group through float32.
 template <class TB>
 const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst) {
   if constexpr (std::is_same_v<TB, bf16>) {
     return b.at(i) + col0;
+  } else if constexpr (std::is_same_v<TB, float>) {
+    round_to_bf16(len, b.at(i) + col0, dst);
+    return dst;
   } else {
     const auto cur = cursor<Simd>(b, i);
     using Cursor = std::decay_t<decltype(cur)>;
@@ -172,9 +175,10 @@ inline void request_share(const kt::Upcoming& u, long at, long total) {
   }
 }
 
-// Stores one 16×16 result tile `t` (row-major, as the tile unit writes it) to C at (m0, n0), keeping the
-// mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
-void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate) {
+// Stores one 16×16 result tile `t` (row-major, as the tile unit writes it) times alpha to C at (m0, n0),
+// keeping the mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
+void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate,
+              float alpha) {
   const __mmask16 cols = first16(nr);
   __m512i rows[TR];
   if (transposed) {
@@ -184,6 +188,7 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
   for (int i = 0; i < mr; ++i) {
     float* row = c + long(m0 + i) * ldc + n0;
     __m512 v = transposed ? _mm512_castsi512_ps(rows[i]) : _mm512_maskz_loadu_ps(cols, t + i * TR);
+    if (alpha != 1.f) v = _mm512_mul_ps(v, _mm512_set1_ps(alpha));
     if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, row));
     _mm512_mask_storeu_ps(row, cols, v);
   }
@@ -279,7 +284,7 @@ void tile_nt(const TileNT<TB>& g) {
       [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {}, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, true, j * TR, std::min(TR, g.M - j * TR), i * TR, std::min(TR, g.N - i * TR), g.c, g.ldc,
-                 g.accumulate);
+                 g.accumulate, g.alpha);
       });
 }
 
@@ -330,7 +335,7 @@ void tile_nn(const TileNN<TB>& g) {
       [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
-                 g.accumulate);
+                 g.accumulate, g.alpha);
       });
 }
 
@@ -343,7 +348,9 @@ const kt::TileKernels& tile_kernels() {
                                  tile_nt<Tiles, int4_group>,
                                  tile_nn<Tiles, bf16>,
                                  tile_nn<Tiles, fp8_block>,
-                                 tile_nn<Tiles, int4_group>};
+                                 tile_nn<Tiles, int4_group>,
+                                 tile_nt<Tiles, float>,
+                                 tile_nn<Tiles, float>};
   return t;
 }
 

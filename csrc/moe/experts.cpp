@@ -159,6 +159,8 @@ void run_tile(const TileKernels& t, const TileNT<int4_group>& g) { t.nt_int4(g);
 void run_tile(const TileKernels& t, const TileNN<bf16>& g) { t.nn_bf16(g); }
 void run_tile(const TileKernels& t, const TileNN<fp8_block>& g) { t.nn_fp8(g); }
 void run_tile(const TileKernels& t, const TileNN<int4_group>& g) { t.nn_int4(g); }
+void run_tile(const TileKernels& t, const TileNT<float>& g) { t.nt_f32(g); }
+void run_tile(const TileKernels& t, const TileNN<float>& g) { t.nn_f32(g); }
 
 // Experts whose rows take the tile kernels in this call (BF16 activations on a set with tiles, and at least
 // Runtime::tile_min_rows rows), and where each one's rows start in the tile layouts of kernels.h: rows of
@@ -194,6 +196,41 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
     tp.row0[e + 1] = tp.row0[e] + (tp.tk && n > 0 && n >= min_rows ? tile_rows(n) : 0);
   }
   return tp;
+}
+
+// LoRA on the tile unit. For an expert on tiles, and without LoRA dropout (which masks the float32 rows the
+// products read), the LoRA products (all but the forward's gate/up z·Bᵀ, see forward) run on the tile unit with
+// BF16 operands and float32 sums, as stock PEFT runs them under bf16 autocast: the LoRA matrices are rounded to BF16 as the kernels read them, the
+// rank-space rows (z = x·Aᵀ, wz = dy·B) once per call into the layouts of kernels.h: [tile_rows(n),
+// tile_ld(r)] per expert (`rank_at`: nt in the forward for z·Bᵀ, nn in the backward for wz·A), and transposed
+// (`rank_t_at`: [tile_rows(r), tile_ld(n)]) as the A operand of the LoRA grads, which reduce over the rows.
+// In float32 at Layer Q these products took a quarter of a training step (BENCHMARKS.md).
+struct RankTiles {
+  const TilePlan& tp;
+  int r;
+  bf16* rank_at(bf16* buf, int e) const { return tp.at(buf, e, r); }
+  // tile_ld(n) ≤ tile_rows(n) + 16, so expert e's transposed block fits at row0[e] + 16·e columns.
+  bf16* rank_t_at(bf16* buf, int e) const { return buf + tile_rows(r) * (tp.row0[e] + 16L * e); }
+  static size_t rank_elems(const TilePlan& tp, int r) { return size_t(tp.rows()) * tile_ld(r); }
+  static size_t rank_t_elems(const TilePlan& tp, int r, int E) { return size_t(tile_rows(r)) * (tp.rows() + 16L * E); }
+};
+
+// dst (nn layout, [tile_rows(r), tile_ld(n)]) = the transpose of an expert's n rank-space rows z [n, r], row m
+// times kscale[m] when given.
+void pack_rank_transposed(const TileKernels& tk, int n, int r, const float* z, const float* kscale, bf16* dst) {
+  thread_local std::vector<float> t;
+  t.resize(size_t(r) * n);
+  for (int m = 0; m < n; ++m)
+    for (int j = 0; j < r; ++j) t[size_t(j) * n + m] = z[long(m) * r + j] * (kscale ? kscale[m] : 1.f);
+  tk.pack_nn(r, n, 0, n, Rows<float>{nullptr, t.data(), n}, dst);
+}
+
+// Expert e's LoRA matrices of projection p as rows: A [r, in], B [out, r] from output row row0.
+Rows<float> lora_a(const Lora& lora, int p, long e, long in) {
+  return {nullptr, lora.A[p].as<float>() + e * lora.r * in, in};
+}
+Rows<float> lora_b(const Lora& lora, int p, long e, long out, long row0) {
+  return {nullptr, lora.B[p].as<float>() + (e * out + row0) * lora.r, lora.r};
 }
 
 // The experts that have rows in this call, in order.
@@ -439,7 +476,9 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
                 // BF16 activations in the tile layouts (kernel set amx): x or dout, h or dg and du
-                + (N + 15 * E) * (tile_ld(H) + 2 * tile_ld(I)) / 2);
+                + (N + 15 * E) * (tile_ld(H) + 2 * tile_ld(I)) / 2
+                // LoRA's rank-space rows in BF16 (RankTiles): three per expert row, six transposed
+                + (3 * (N + 15 * E) * tile_ld(r) + 6 * tile_rows(r) * (N + 31 * E)) / 2);
 }
 
 std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
@@ -486,20 +525,35 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.tile_rows_for(save, format_ == Format::bf16));
   bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
+  // LoRA of experts on tiles (RankTiles): z = x·Aᵀ and h·A_downᵀ, and down's z·Bᵀ (z in BF16, nt layout: ZD).
+  // Gate's and up's z·Bᵀ stay in float32 (the axpy form over B transposed): on tiles they measured no faster
+  // at Layer Q, where their 64-column items' products are one reduction step each (BENCHMARKS.md).
+  const RankTiles rk{tp, r};
+  const auto lora_tiles = [&](int e) { return tp.on(e) && !lora.dropout.on(); };
+  bf16* ZD = tp.rows() && r > 0 ? sc.get_bf16(Scratch::RANK_TILES, RankTiles::rank_elems(tp, r)) : nullptr;
+  auto lora_in_on_tiles = [&](int p, int e, const bf16* act, long in) {
+    const int n = rows_of(*sv, e);
+    float* z = Z[p] + sv->offset[e] * r;
+    run_tile(*tp.tk, TileNT<float>{n, r, int(in), act, lora_a(lora, p, e, in), z, r, false, {}});
+    if (p == DOWN) tp.tk->pack_nt(n, r, 0, r, Rows<float>{nullptr, z, r}, rk.rank_at(ZD, e));
+  };
 
   // Rank-space inputs of gate/up, B transposed to [r, out] so "out of rank space" products run in axpy form
-  // with contiguous rows (experts with more than kLoraDotRows rows), and x in the tile layout for experts on
-  // tiles.
+  // with contiguous rows (experts with more than kLoraDotRows rows; down's only off tiles), and x in the tile
+  // layout for experts on tiles.
   phase("forward.pack_x_lora_in");
   for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
     const int n = rows_of(*sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty()) continue;
-      if (n > kLoraDotRows) transpose_b(lora, p, e, outd[p], bt[p]);
+      if (n > kLoraDotRows && (p != DOWN || !lora_tiles(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
-      lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
-              per_thread + ith * tile, tile);
+      if (lora_tiles(int(e)))
+        lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), H);
+      else
+        lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
+                per_thread + ith * tile, tile);
     }
   });
 
@@ -550,8 +604,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   phase("forward.lora_in_down");
   if (Z[DOWN])
     for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
-      lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
-              per_thread + ith * tile, tile);
+      if (lora_tiles(int(e)))
+        lora_in_on_tiles(DOWN, int(e), tp.at(HT, int(e), I), I);
+      else
+        lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
+                per_thread + ith * tile, tile);
     });
 
   phase("forward.down_sum");
@@ -586,7 +643,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
                             : next_blk >= 0        ? down_rows(next_blk, 0)
                                                    : Upcoming{};
       project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK, next);
-      if (Z[DOWN]) lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
+      if (Z[DOWN] && lora_tiles(e))
+        run_tile(*tp.tk, TileNT<float>{n, hb, r, rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), c, BLOCK, true, {},
+                                       lora.scale});
+      else if (Z[DOWN])
+        lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
       for (int m = 0; m < n; ++m) {
         const long s = sv->offset[e] + m;
         ks.axpy(hb, sv->slot_w[s], c + long(m) * BLOCK, acc + long(sv->slot_token[s]) * BLOCK);
@@ -664,11 +725,46 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   bf16* DT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
   bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * tile_ld(I)) : nullptr;
+  // For experts whose LoRA runs on tiles (RankTiles): wz in the nn layout (WT), and transposed the A operands
+  // of the LoRA grads: wz (with the routing weight for down) for dA (WZ_T), z (likewise) for dB (Z_T).
+  const RankTiles rk{tp, r};
+  const auto lora_tiles = [&](int e) { return tp.on(e) && !lora.dropout.on(); };
+  bf16 *WT[3] = {}, *WZ_T[3] = {}, *Z_T[3] = {};
+  if (tp.rows() && r > 0) {
+    const size_t per = RankTiles::rank_elems(tp, r), per_t = RankTiles::rank_t_elems(tp, r, E_);
+    bf16* buf = sc.get_bf16(Scratch::RANK_TILES, 3 * per + 6 * per_t);
+    for (int p = 0; p < 3; ++p) {
+      WT[p] = buf + p * per;
+      WZ_T[p] = buf + 3 * per + p * per_t;
+      Z_T[p] = buf + 3 * per + (3 + p) * per_t;
+    }
+  }
+  // wz = dy·B of an expert whose LoRA runs on tiles (dy: its activation tiles in the nn layout, K columns),
+  // into float32 rows and the nn layout.
+  auto rank_grad_on_tiles = [&](int p, int e, const bf16* dy, long K) {
+    const int n = rows_of(sv, e);
+    float* z = wz[p] + sv.offset[e] * r;
+    run_tile(*tp.tk, TileNN<float>{n, r, int(K), dy, lora_b(lora, p, e, K, 0), 0, z, r, false, {}});
+    tp.tk->pack_nn(n, r, 0, r, Rows<float>{nullptr, z, r}, rk.rank_at(WT[p], e));
+  };
+  // c += s·(wz·A)[:, col0, col0 + cols): the gradient of projection p's LoRA input (in columns of it).
+  auto lora_in_grad_of = [&](int p, int e, long in, long col0, int cols, float* c, long ldc, int ith) {
+    const int n = rows_of(sv, e);
+    if (lora_tiles(e))
+      run_tile(*tp.tk, TileNN<float>{n, cols, r, rk.rank_at(WT[p], e), lora_a(lora, p, e, in), col0, c, ldc, true, {},
+                                     s});
+    else
+      lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, in, col0, cols, c, ldc, per_thread + ith * tile, tile);
+  };
 
   phase("backward.pack_dout_lora");
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
+    if (lora_tiles(int(e))) {
+      if (lora_on[DOWN]) rank_grad_on_tiles(DOWN, int(e), tp.at(DT, int(e), H), H);
+      return;
+    }
     for (int p = 0; p < 3; ++p)
       if (lora_on[p]) transpose_b(lora, p, e, outd[p], bt[p]);
     if (lora_on[DOWN])
@@ -705,8 +801,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       else
         run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
-    if (lora_on[DOWN])
-      lora_in_grad(ks, lora, DOWN, sv, e, wz[DOWN] + sv.offset[e] * r, I, i0, ib, c, I, per_thread + ith * tile, tile);
+    if (lora_on[DOWN]) lora_in_grad_of(DOWN, e, I, i0, ib, c, I, ith);
     // The slots' work on this block while it is in cache (a pass of its own re-read ~300 MB at Layer Q):
     // h = silu(g)·u; this block's share of d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
     for (int m = 0; m < n; ++m) {
@@ -733,16 +828,28 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     }
   });
 
-  // LoRA's rank-space rows of dg and du: wz[GATE] = dg·Bg, wz[UP] = du·Bu (reductions over all of I).
+  // LoRA's rank-space rows of dg and du: wz[GATE] = dg·Bg, wz[UP] = du·Bu (reductions over all of I); on tiles,
+  // the A operands of the LoRA grads too.
   phase("backward.lora_dg_du");
-  if (lora_on[GATE] || lora_on[UP])
+  if (lora_on[GATE] || lora_on[UP] || lora_on[DOWN])
     for_routed_experts(rt, sv, E_, [&](long e, int) {
       const int n = rows_of(sv, int(e));
       const float* dgu[2] = {dG, dU};
+      const bf16* dgu_t[2] = {GT, UT};
       for (int p = GATE; p <= UP; ++p)
-        if (lora_on[p])
+        if (lora_on[p] && lora_tiles(int(e)))
+          rank_grad_on_tiles(p, int(e), tp.at(dgu_t[p], int(e), I), I);
+        else if (lora_on[p])
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
+      if (!lora_tiles(int(e))) return;
+      const float* w = sv.slot_w.data() + sv.offset[e];
+      for (int p = 0; p < 3; ++p) {
+        if (!lora_on[p]) continue;
+        const float* kscale = p == DOWN ? w : nullptr;
+        pack_rank_transposed(*tp.tk, n, r, wz[p] + sv.offset[e] * r, kscale, rk.rank_t_at(WZ_T[p], int(e)));
+        pack_rank_transposed(*tp.tk, n, r, sv.z[p].get() + sv.offset[e] * r, kscale, rk.rank_t_at(Z_T[p], int(e)));
+      }
     });
 
   // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.
@@ -769,8 +876,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         else
           run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });
-      if (lora_on[p])
-        lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, H, h0, hb, c, H, per_thread + ith * tile, tile);
+      if (lora_on[p]) lora_in_grad_of(p, e, H, h0, hb, c, H, ith);
     }
   });
   phase("backward.dx_sum");
@@ -800,12 +906,53 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       for (int p = GATE; p <= UP; ++p)
         for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({dW_GU + 16 * p, e, b});
   }
+  // On tiles the grads reduce over the expert's rows with the transposed rank-space rows as the A operand and
+  // the activations' rows as B: x and dout as the BF16 rows they came in as, dg and du from their tiles.
+  std::vector<const bf16*> xb;
+  if (tp.rows() && r > 0) {
+    xb.resize(N);
+    for (long i = 0; i < N; ++i) xb[i] = x.as<bf16>() + long(sv.slot_token[i]) * H;
+  }
+  // dst (r rows, ldd apart) (+)= s · t_rows · act[:, c0, c0 + cols) over the expert's n rows.
+  auto grad_on_tiles = [&](int e, const bf16* t_rows, const auto& act, long c0, int cols, float* dst, long ldd,
+                           bool accumulate) {
+    using TB = std::remove_const_t<std::remove_pointer_t<decltype(act.base)>>;
+    run_tile(*tp.tk, TileNN<TB>{r, cols, rows_of(sv, e), t_rows, act, c0, dst, ldd, accumulate, {}, s});
+  };
   rt.parallel_for(long(items.size()), [&](long it, int ith) {
     const int kind = items[it].kind % 16, p = items[it].kind / 16, e = items[it].e, n = rows_of(sv, e);
     const long c0 = long(items[it].block) * (kind < dW_DOWN ? LORA_GRAD_BLOCK : BLOCK);
     float* tmp = per_thread + long(ith) * tile;
     const float* w = sv.slot_w.data() + sv.offset[e];
     float* dgu[2] = {dG, dU};
+    const bf16* dgu_t[2] = {GT, UT};
+    if (kind < dW_DOWN && lora_tiles(e)) {
+      const long out = kind == dA_DOWN ? I : kind == dB_DOWN || kind == dA_GU ? H : I;
+      const int cb = int(std::min<long>(LORA_GRAD_BLOCK, out - c0));
+      switch (kind) {
+        case dA_DOWN:
+          grad_on_tiles(e, rk.rank_t_at(WZ_T[DOWN], e), slot_rows(Hh, sv, e, I), c0, cb,
+                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN]);
+          break;
+        case dB_DOWN:
+          grad_on_tiles(e, rk.rank_t_at(Z_T[DOWN], e), Rows<bf16>{nullptr, tp.at(DT, e, H), tile_ld(H)}, c0, cb, tmp,
+                        cb, false);
+          transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r, gr.acc_B[DOWN]);
+          break;
+        case dA_GU:
+          for (int q = GATE; q <= UP; ++q)
+            if (wants_dA(q))
+              grad_on_tiles(e, rk.rank_t_at(WZ_T[q], e), Rows<bf16>{xb.data() + sv.offset[e], nullptr, 0}, c0, cb,
+                            gr.dA[q].as<float>() + long(e) * r * H + c0, H, gr.acc_A[q]);
+          break;
+        case dB_GU:
+          grad_on_tiles(e, rk.rank_t_at(Z_T[p], e), Rows<bf16>{nullptr, tp.at(dgu_t[p], e, I), tile_ld(I)}, c0, cb, tmp,
+                        cb, false);
+          transpose(tmp, r, cb, gr.dB[p].as<float>() + (long(e) * I + c0) * r, gr.acc_B[p]);
+          break;
+      }
+      return;
+    }
     switch (kind) {
       case dA_DOWN: {  // dAd[j, i] = s Σ_m w_m zb[m, j] drop(h)[m, i]
         const int cb = int(std::min<long>(LORA_GRAD_BLOCK, I - c0));

@@ -22,7 +22,7 @@ namespace kt {
 // multi-hundred-MB buffers cost as much as a small layer's compute).
 class Scratch {
  public:
-  enum Slot { X, DOUT, HH, P, DG, DU, SLOT_ROWS, BT, Z0, Z1, Z2, PER_THREAD, TILE0, TILE1, TILE2, N_SLOTS };
+  enum Slot { X, DOUT, HH, P, DG, DU, SLOT_ROWS, BT, Z0, Z1, Z2, PER_THREAD, TILE0, TILE1, TILE2, RANK_TILES, N_SLOTS };
   float* get(Slot s, size_t n);
   bf16* get_bf16(Slot s, size_t n) { return reinterpret_cast<bf16*>(get(s, (n + 1) / 2)); }
   size_t bytes() const;
