@@ -179,6 +179,21 @@ def test_lora_grads_across_steps_and_micro_batches(kernels):
         assert rel_l2(B[p].grad, refs[0][f"dB_{p}"]) <= FP32_IO
 
 
+def test_lora_grads_accumulate_on_tiles(tiles):
+    """On tiles, LoRA A grads are added by the tile products' stores and B grads through their transpose: two
+    BF16 micro-batches give the sum of their grads."""
+    shape = SHAPES[0]
+    m = make_module(shape, lora=True)
+    batches = [inputs(shape, seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+    refs = [run_reference(m, *b) for b in batches]
+    for x, idx, w, g in batches:
+        m(x, idx, w).backward(g)
+    bound = for_kernels("amx", BF16_IO, bf16_activations=True)
+    for name, params in (("dA", m.lora_A["default"]), ("dB", m.lora_B["default"])):
+        for p, t in params.items():
+            assert rel_l2(t.grad, refs[0][f"{name}_{p}"] + refs[1][f"{name}_{p}"]) <= bound, f"{name}_{p}"
+
+
 def test_inference_forward_saves_nothing_and_matches(kernels):
     shape = SHAPES[4]
     m = make_module(shape, lora=True)
