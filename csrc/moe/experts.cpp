@@ -198,9 +198,9 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
   return tp;
 }
 
-// LoRA on the tile unit. For an expert on tiles, and without LoRA dropout (which masks the float32 rows the
-// products read), the LoRA products (all but the forward's gate/up z·Bᵀ, see forward) run on the tile unit with
-// BF16 operands and float32 sums, as stock PEFT runs them under bf16 autocast: the LoRA matrices are rounded to BF16 as the kernels read them, the
+// LoRA on the tile unit. For an expert on tiles, the LoRA products (all but the forward's gate/up z·Bᵀ, see
+// forward) run on the tile unit with BF16 operands and float32 sums, as stock PEFT runs them under bf16
+// autocast (with LoRA dropout, on operands masked in float32 first: the *_dropped_on_tiles functions): the LoRA matrices are rounded to BF16 as the kernels read them, the
 // rank-space rows (z = x·Aᵀ, wz = dy·B) once per call into the layouts of kernels.h: [tile_rows(n),
 // tile_ld(r)] per expert (`rank_at`: nt in the forward for z·Bᵀ, nn in the backward for wz·A), and transposed
 // (`rank_t_at`: [tile_rows(r), tile_ld(n)]) as the A operand of the LoRA grads, which reduce over the rows.
@@ -327,6 +327,59 @@ void lora_dA(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
     ks.gemm_nn_f32({r, cols, mc, {nullptr, wz + long(m0) * r, r}, 0, true, kscale ? kscale + m0 : nullptr,
                     {nullptr, buf, cols}, 0, dst, ldd, lora.scale, accumulate || m0 > 0});
   }
+}
+
+// LoRA dropout on the tile unit (experts on tiles): the masked operands are built in float32 by the set's
+// lora_dropout, as lora_in / lora_in_grad / lora_dA build them, then rounded to BF16 for the tile products.
+//
+// z[m] = drop_p(a_m)·A_eᵀ for the n rows of expert e: a chunk of dropped rows at a time (in `buf`), packed in
+// the nt layout.
+void lora_in_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, const Lora& lora, int p, const Saved& sv,
+                              int e, Rows<float> a, long in, float* z, float* buf, long buf_floats) {
+  const int n = rows_of(sv, e), r = lora.r;
+  const int ch = chunk_rows(buf_floats, in) / 16 * 16;  // ≥ 64: buf holds BLOCK rows of the widest input
+  thread_local std::vector<bf16> packed;
+  packed.resize(size_t(tile_rows(ch)) * tile_ld(in));
+  for (int m0 = 0; m0 < n; m0 += ch) {
+    const int mc = std::min(ch, n - m0);
+    for (int m = 0; m < mc; ++m)
+      ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), 0, in, lora.dropout.p, a.at(m0 + m), buf + long(m) * in,
+                      false);
+    tk.pack_nt(mc, int(in), 0, in, Rows<float>{nullptr, buf, in}, packed.data());
+    run_tile(tk, TileNT<float>{mc, r, int(in), packed.data(), lora_a(lora, p, e, in), z + long(m0) * r, r, false, {}});
+  }
+}
+
+// c[m, j] += s · (wz_m · A_e)[col0 + j] ⊙ keep_p: wz's rows in the nn layout (wt), the product a chunk of rows at
+// a time into `buf`, then masked into c.
+void lora_in_grad_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, const Lora& lora, int p,
+                                   const Saved& sv, int e, const bf16* wt, long in, long col0, int cols, float* c,
+                                   long ldc, float* buf, long buf_floats) {
+  const int n = rows_of(sv, e), r = lora.r;
+  const int ch = chunk_rows(buf_floats, cols) / 16 * 16;  // ≥ 64, as above
+  for (int m0 = 0; m0 < n; m0 += ch) {
+    const int mc = std::min(ch, n - m0);
+    run_tile(tk, TileNN<float>{mc, cols, r, wt + long(m0) * tile_ld(r), lora_a(lora, p, e, in), col0, buf, cols, false,
+                               {}, lora.scale});
+    for (int m = 0; m < mc; ++m)
+      ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), col0, cols, lora.dropout.p, buf + long(m) * cols,
+                      c + long(m0 + m) * ldc, true);
+  }
+}
+
+// dst (+)= s · t_rows · drop_p(a)[:, col0, col0 + cols) over the n rows of expert e (t_rows: its transposed
+// rank-space rows in the nn layout, the reduction over the rows): the dropped columns of every row first.
+void lora_dA_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, const Lora& lora, int p, const Saved& sv,
+                              int e, const bf16* t_rows, Rows<float> a, long col0, int cols, float* dst, long ldd,
+                              bool accumulate) {
+  const int n = rows_of(sv, e);
+  thread_local std::vector<float> dropped;
+  dropped.resize(size_t(n) * cols);
+  for (int m = 0; m < n; ++m)
+    ks.lora_dropout(dropout_key(lora, p, sv, e, m), col0, cols, lora.dropout.p, a.at(m) + col0,
+                    dropped.data() + long(m) * cols, false);
+  run_tile(tk, TileNN<float>{lora.r, cols, n, t_rows, Rows<float>{nullptr, dropped.data(), cols}, 0, dst, ldd,
+                             accumulate, {}, lora.scale});
 }
 
 float* alloc_saved(Saved& sv, SavedBuffer& p, size_t n) {
@@ -529,12 +582,15 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // Gate's and up's z·Bᵀ stay in float32 (the axpy form over B transposed): on tiles they measured no faster
   // at Layer Q, where their 64-column items' products are one reduction step each (BENCHMARKS.md).
   const RankTiles rk{tp, r};
-  const auto lora_tiles = [&](int e) { return tp.on(e) && !lora.dropout.on(); };
   bf16* ZD = tp.rows() && r > 0 ? sc.get_bf16(Scratch::RANK_TILES, RankTiles::rank_elems(tp, r)) : nullptr;
-  auto lora_in_on_tiles = [&](int p, int e, const bf16* act, long in) {
+  // z = a·Aᵀ for an expert on tiles: a's tiles (act) as the operand, or with dropout its float32 rows masked.
+  auto lora_in_on_tiles = [&](int p, int e, const bf16* act, Rows<float> rows, long in, int ith) {
     const int n = rows_of(*sv, e);
     float* z = Z[p] + sv->offset[e] * r;
-    run_tile(*tp.tk, TileNT<float>{n, r, int(in), act, lora_a(lora, p, e, in), z, r, false, {}});
+    if (lora.dropout.on())
+      lora_in_dropped_on_tiles(*tp.tk, ks, lora, p, *sv, e, rows, in, z, per_thread + ith * tile, tile);
+    else
+      run_tile(*tp.tk, TileNT<float>{n, r, int(in), act, lora_a(lora, p, e, in), z, r, false, {}});
     if (p == DOWN) tp.tk->pack_nt(n, r, 0, r, Rows<float>{nullptr, z, r}, rk.rank_at(ZD, e));
   };
 
@@ -547,10 +603,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
     for (int p = 0; p < 3; ++p) {
       if (lora.A[p].empty()) continue;
-      if (n > kLoraDotRows && (p != DOWN || !lora_tiles(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
+      if (n > kLoraDotRows && (p != DOWN || !tp.on(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
       if (p == DOWN) continue;
-      if (lora_tiles(int(e)))
-        lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), H);
+      if (tp.on(int(e)))
+        lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), gathered(xrows, *sv, int(e)), H, ith);
       else
         lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
                 per_thread + ith * tile, tile);
@@ -604,8 +660,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   phase("forward.lora_in_down");
   if (Z[DOWN])
     for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
-      if (lora_tiles(int(e)))
-        lora_in_on_tiles(DOWN, int(e), tp.at(HT, int(e), I), I);
+      if (tp.on(int(e)))
+        lora_in_on_tiles(DOWN, int(e), tp.at(HT, int(e), I), slot_rows(Hh, *sv, int(e), I), I, ith);
       else
         lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
                 per_thread + ith * tile, tile);
@@ -643,7 +699,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
                             : next_blk >= 0        ? down_rows(next_blk, 0)
                                                    : Upcoming{};
       project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK, next);
-      if (Z[DOWN] && lora_tiles(e))
+      if (Z[DOWN] && tp.on(e))
         run_tile(*tp.tk, TileNT<float>{n, hb, r, rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), c, BLOCK, true, {},
                                        lora.scale});
       else if (Z[DOWN])
@@ -728,7 +784,6 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   // For experts whose LoRA runs on tiles (RankTiles): wz in the nn layout (WT), and transposed the A operands
   // of the LoRA grads: wz (with the routing weight for down) for dA (WZ_T), z (likewise) for dB (Z_T).
   const RankTiles rk{tp, r};
-  const auto lora_tiles = [&](int e) { return tp.on(e) && !lora.dropout.on(); };
   bf16 *WT[3] = {}, *WZ_T[3] = {}, *Z_T[3] = {};
   if (tp.rows() && r > 0) {
     const size_t per = RankTiles::rank_elems(tp, r), per_t = RankTiles::rank_t_elems(tp, r, E_);
@@ -750,7 +805,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   // c += s·(wz·A)[:, col0, col0 + cols): the gradient of projection p's LoRA input (in columns of it).
   auto lora_in_grad_of = [&](int p, int e, long in, long col0, int cols, float* c, long ldc, int ith) {
     const int n = rows_of(sv, e);
-    if (lora_tiles(e))
+    if (tp.on(e) && lora.dropout.on())
+      lora_in_grad_dropped_on_tiles(*tp.tk, ks, lora, p, sv, e, rk.rank_at(WT[p], e), in, col0, cols, c, ldc,
+                                    per_thread + ith * tile, tile);
+    else if (tp.on(e))
       run_tile(*tp.tk, TileNN<float>{n, cols, r, rk.rank_at(WT[p], e), lora_a(lora, p, e, in), col0, c, ldc, true, {},
                                      s});
     else
@@ -761,7 +819,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
     if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
-    if (lora_tiles(int(e))) {
+    if (tp.on(int(e))) {
       if (lora_on[DOWN]) rank_grad_on_tiles(DOWN, int(e), tp.at(DT, int(e), H), H);
       return;
     }
@@ -837,12 +895,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       const float* dgu[2] = {dG, dU};
       const bf16* dgu_t[2] = {GT, UT};
       for (int p = GATE; p <= UP; ++p)
-        if (lora_on[p] && lora_tiles(int(e)))
+        if (lora_on[p] && tp.on(int(e)))
           rank_grad_on_tiles(p, int(e), tp.at(dgu_t[p], int(e), I), I);
         else if (lora_on[p])
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
-      if (!lora_tiles(int(e))) return;
+      if (!tp.on(int(e))) return;
       const float* w = sv.slot_w.data() + sv.offset[e];
       for (int p = 0; p < 3; ++p) {
         if (!lora_on[p]) continue;
@@ -926,13 +984,17 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const float* w = sv.slot_w.data() + sv.offset[e];
     float* dgu[2] = {dG, dU};
     const bf16* dgu_t[2] = {GT, UT};
-    if (kind < dW_DOWN && lora_tiles(e)) {
+    if (kind < dW_DOWN && tp.on(e)) {
       const long out = kind == dA_DOWN ? I : kind == dB_DOWN || kind == dA_GU ? H : I;
       const int cb = int(std::min<long>(LORA_GRAD_BLOCK, out - c0));
       switch (kind) {
         case dA_DOWN:
-          grad_on_tiles(e, rk.rank_t_at(WZ_T[DOWN], e), slot_rows(Hh, sv, e, I), c0, cb,
-                        gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN]);
+          if (lora.dropout.on())
+            lora_dA_dropped_on_tiles(*tp.tk, ks, lora, DOWN, sv, e, rk.rank_t_at(WZ_T[DOWN], e), slot_rows(Hh, sv, e, I),
+                                     c0, cb, gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN]);
+          else
+            grad_on_tiles(e, rk.rank_t_at(WZ_T[DOWN], e), slot_rows(Hh, sv, e, I), c0, cb,
+                          gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN]);
           break;
         case dB_DOWN:
           grad_on_tiles(e, rk.rank_t_at(Z_T[DOWN], e), Rows<bf16>{nullptr, tp.at(DT, e, H), tile_ld(H)}, c0, cb, tmp,
@@ -941,7 +1003,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
           break;
         case dA_GU:
           for (int q = GATE; q <= UP; ++q)
-            if (wants_dA(q))
+            if (wants_dA(q) && lora.dropout.on())
+              lora_dA_dropped_on_tiles(*tp.tk, ks, lora, q, sv, e, rk.rank_t_at(WZ_T[q], e), gathered(xrows, sv, e), c0,
+                                       cb, gr.dA[q].as<float>() + long(e) * r * H + c0, H, gr.acc_A[q]);
+            else if (wants_dA(q))
               grad_on_tiles(e, rk.rank_t_at(WZ_T[q], e), Rows<bf16>{xb.data() + sv.offset[e], nullptr, 0}, c0, cb,
                             gr.dA[q].as<float>() + long(e) * r * H + c0, H, gr.acc_A[q]);
           break;

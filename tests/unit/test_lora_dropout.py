@@ -5,8 +5,8 @@ import torch
 
 from experts_case import Shape, inputs, lora_of, make_module, run_engine
 from kt_sft.ops.reference import LoraWeights, lora_dropout_keep, moe_experts_reference
-from test_experts_parity import check, kernels  # noqa: F401  (the kernel-set fixture)
-from tolerances import FP32_IO, rel_l2
+from test_experts_parity import check, kernels, tiles  # noqa: F401  (the kernel-set and tile fixtures)
+from tolerances import BF16_IO, FP32_IO, for_kernels, rel_l2
 
 SHAPES = [
     Shape("typical", T=40, H=64, I=48, E=8, K=2),
@@ -49,6 +49,18 @@ def test_dropout_parity(kernels, shape, fmt):
     x, idx, w, g = inputs(shape)
     got, seed = seeded_run(m, x, idx, w, g)
     check(got, reference_with_dropout(m, x, idx, w, g, 0.25, seed), FP32_IO, shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+def test_dropout_parity_on_tiles(tiles, shape):
+    """BF16 activations on the tile unit: the masked LoRA operands are built in float32, then rounded for the
+    tile products (in chunks of rows beyond the dropout buffers' size)."""
+    m = make_module(shape, lora=True)
+    m.lora_dropout_p["default"] = 0.25
+    m.train()
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    got, seed = seeded_run(m, x, idx, w, g)
+    check(got, reference_with_dropout(m, x, idx, w, g, 0.25, seed), for_kernels("amx", BF16_IO, True), shape)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: s.name)
