@@ -9,6 +9,11 @@ first. The experts refuse to train LoRA on top of trainable base weights rather 
 tensors live in `lora_A.<adapter>.<proj>` / `lora_B.<adapter>.<proj>` (stacked [E,r,in] / [E,out,r]), which
 PEFT trains, saves as `…experts.lora_A.<proj>` and loads back unchanged.
 
+The first adapter moves the expert weights into a `base_layer` child, where PEFT keeps the weights of every layer it
+wraps: peft 0.21 counts everything else on a tuner layer as adapter tensors, so it would save the whole expert
+stack in the adapter file and load it back over the model's weights. Until then they stay where the stock experts
+module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the checkpoint's own layout.
+
 The class name contains "Linear" because LLaMA-Factory's `lora_target: all` selects modules by that.
 """
 from __future__ import annotations
@@ -19,6 +24,18 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
 from ..nn.experts import KTExperts
+
+# KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
+WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")
+
+
+class ExpertWeights(nn.Module):
+    """The expert weights (parameters, or quantized buffers) of experts that hold a PEFT adapter."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        # PEFT reads a base layer's `weight` for its device when it unloads the adapters.
+        return self.gate_up_proj
 
 
 class KTExpertsLinear(KTExperts, LoraLayer):
@@ -39,10 +56,17 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         self.cast_input_dtype_enabled = True
         self.in_features = self.out_features = self.hidden_size
 
+    def __getattr__(self, name):
+        # KTExperts reads its weights as its own attributes, also once they have moved into base_layer.
+        base = self.__dict__.get("_modules", {}).get("base_layer")
+        if base is not None and name in WEIGHT_NAMES:
+            return getattr(base, name)
+        return super().__getattr__(name)
+
     @property
     def weight(self) -> torch.Tensor:
         # PEFT reads a tuner layer's `weight` (its device, when it replaces the layer in unload); BaseTunerLayer's
-        # looks it up on the base layer, which for this layer is itself: endless recursion.
+        # looks it up on the base layer, which before the first adapter is this layer itself: endless recursion.
         return self.gate_up_proj
 
     def update_layer(self, adapter_name, r, lora_alpha, config=None, **kwargs):
@@ -53,6 +77,28 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         if setting("use_dora", False) or setting("lora_bias", False) or setting("use_alora", False) or \
                 setting("use_qalora", False):
             raise ValueError("DoRA, aLoRA, QALoRA and lora_bias are not supported on the routed experts; use plain LoRA.")
+        fused = sorted(t for t in setting("target_parameters", None) or () if t.rpartition(".")[2] in WEIGHT_NAMES)
+        if fused:
+            # Said here, before peft's own attempt to wrap these parameters fails with a message that does not say
+            # why: peft >= 0.19 turns the v4 per-expert target names of transformers-5 MoE models into these.
+            raise ValueError(f"target_parameters {fused} name the routed experts' fused weights, which take LoRA only "
+                             "as the target module 'experts' (peft >= 0.19 writes them there from the targets "
+                             "gate_proj/up_proj/down_proj, w1/w2/w3 or 'all-linear' of an MoE model, taking those "
+                             "targets off its dense and shared-expert MLPs): leave those names out, e.g. target the "
+                             "attention projections and 'experts', or use peft 0.18.1 (LLaMA-Factory 0.9.5's pin) to "
+                             "train those MLPs too.")
+        if "base_layer" not in self._modules:
+            # The first adapter: the weights move to where PEFT keeps a wrapped layer's (module docstring), straight
+            # into the tables: register_parameter would make meta copies under low_cpu_mem_usage's empty init.
+            base = ExpertWeights()
+            for name in WEIGHT_NAMES:
+                if name in self._parameters:
+                    base._parameters[name] = self._parameters.pop(name)
+                elif name in self._buffers:  # quantized weights: never in state_dict (KTExperts)
+                    base._buffers[name] = self._buffers.pop(name)
+                    base._non_persistent_buffers_set.add(name)
+                    self._non_persistent_buffers_set.discard(name)
+            self.base_layer = base
         self.add_lora(r, lora_alpha, use_rslora=setting("use_rslora", False), adapter=adapter_name,
                       init=setting("init_lora_weights", True), dropout=setting("lora_dropout", 0.0))
         self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
@@ -88,6 +134,20 @@ class KTExpertsLinear(KTExperts, LoraLayer):
     def unmerge(self) -> None:
         while self.merged_adapters:
             self.merge_lora(self.merged_adapters.pop(), sign=-1.0)
+
+    def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None) -> None:
+        # PEFT's (run after a low_cpu_mem_usage load) casts the adapter to the dtype of the base layer's weight, BF16
+        # or FP8 here; the expert LoRA stays float32 in CPU RAM, where add_lora puts it.
+        pass
+
+    def _apply(self, fn, recurse=True):
+        # The expert weights stay in CPU RAM for good (KTExperts._apply), also once they sit in base_layer.
+        base = self._modules.pop("base_layer", None)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            if base is not None:
+                self._modules["base_layer"] = base
 
     def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> KTExperts:
         """PEFT's merge_and_unload / unload for these experts: plain KTExperts over the same weights (no copy), the

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors import safe_open
 
 from kt_sft.models import use_cpu_experts
@@ -87,8 +87,9 @@ def test_lora_training_steps_match_reference(model_type):
         assert rel_l2(t, ref_t[name]) <= TRAIN_STEPS, name
 
 
+@pytest.mark.parametrize("low_cpu_mem_usage", [False, True])  # True: PEFT builds the adapter on meta, then loads it
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
-def test_adapter_saves_expert_lora_and_reloads(model_type, tmp_path):
+def test_adapter_saves_expert_lora_and_reloads(model_type, low_cpu_mem_usage, tmp_path):
     kt, _ = kt_and_reference(model_type)
     opt = torch.optim.AdamW([p for p in kt.parameters() if p.requires_grad], lr=1e-2)
     kt(**batch(0)).loss.backward()
@@ -97,12 +98,56 @@ def test_adapter_saves_expert_lora_and_reloads(model_type, tmp_path):
     with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert any(k.endswith("mlp.experts.lora_A.gate") for k in keys), keys
+    assert all(".lora_A." in k or ".lora_B." in k for k in keys), keys
     fresh = tiny_model(model_type)
     use_cpu_experts(fresh)
-    loaded = PeftModel.from_pretrained(fresh, tmp_path)
+    loaded = PeftModel.from_pretrained(fresh, tmp_path, low_cpu_mem_usage=low_cpu_mem_usage)
     ids = batch(3)["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, kt(ids).logits)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_expert_weights_stay_frozen_out_of_the_adapter_and_unchanged_by_loading_it(model_type, tmp_path):
+    """peft 0.21 takes every tensor of a tuner layer outside its `base_layer` child for an adapter tensor: expert
+    weights held on the layer itself would go into the adapter file (the whole expert stack) and be loaded over the
+    weights of the model that the adapter is loaded into."""
+    kt, _ = kt_and_reference(model_type)
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    assert not any(w.requires_grad for m in experts for w in (m.gate_up_proj, m.down_proj))
+    assert all(".lora_" in n for n, p in kt.named_parameters() if p.requires_grad)
+    assert all(".lora_A." in k or ".lora_B." in k for k in get_peft_model_state_dict(kt))
+    kt.save_pretrained(tmp_path)
+    other = tiny_model(model_type, seed=1)
+    use_cpu_experts(other)
+    experts = [m for m in other.modules() if isinstance(m, KTExpertsLinear)]
+    weights = [(m.gate_up_proj.clone(), m.down_proj.clone()) for m in experts]
+    PeftModel.from_pretrained(other, tmp_path)
+    for m, (gate_up, down) in zip(experts, weights):
+        assert torch.equal(m.gate_up_proj, gate_up) and torch.equal(m.down_proj, down)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "lora_target: all"])
+def test_mlp_projection_targets_reach_the_mlps_or_are_refused_by_name(targets):
+    """DeepSeek-V3's dense and shared-expert MLPs have gate_proj/up_proj/down_proj modules, which "all-linear" and
+    LLaMA-Factory's `lora_target: all` (every module whose class name contains "Linear") target besides 'experts'.
+    peft 0.18.1 puts LoRA on all of them; newer peft (0.21) rewrites those names into target_parameters on the fused
+    expert weights, which the experts refuse with the fix named instead of peft's own failure to wrap them."""
+    model = tiny_model("deepseek_v3")
+    use_cpu_experts(model)
+    if targets == "lora_target: all":  # llamafactory.model.model_utils.misc.find_all_linear_modules
+        targets = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                          if "Linear" in type(m).__name__ and n != "lm_head"})
+        assert {"experts", "gate_proj", "o_proj"} <= set(targets)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    try:
+        lora = get_peft_model(model.requires_grad_(False), config)
+    except ValueError as e:
+        assert config.target_parameters and "leave those names out, e.g. target the attention" in str(e)
+        return
+    trained = {n.partition(".lora_")[0] for n, p in lora.named_parameters() if p.requires_grad}
+    for module in ("layers.0.mlp.gate_proj", "layers.1.mlp.shared_experts.down_proj", "layers.1.mlp.experts"):
+        assert f"base_model.model.model.{module}" in trained, module
 
 
 def merged_in_float64(module):
@@ -142,7 +187,7 @@ def test_merged_adapter_matches_the_adapter(model_type):
                 assert ((w.float() - w0.float()).abs() <= 2.0**-8 * (w1.float().abs() + w.float().abs())).all()
         plain = kt.merge_and_unload()
         assert not any(isinstance(m, KTExpertsLinear) for m in plain.modules())
-        assert not [k for k in plain.state_dict() if "lora" in k]
+        assert not [k for k in plain.state_dict() if "lora" in k or "base_layer" in k]
         assert rel_l2(plain(ids).logits, adapter) <= MERGED_BF16
 
 
