@@ -136,8 +136,9 @@ inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
 }
 
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
-// copied), for float32 rows (LoRA) rounded to the nearest even BF16, for quantized ones decoded and rounded once (a weight × its block or group scale, in float32,
-// to the nearest BF16): 32 at a time straight to BF16, the edges of a block or group through float32.
+// copied), for float32 rows (LoRA) rounded to the nearest even BF16, for quantized ones decoded and rounded
+// once (a weight × its block or group scale, in float32, to the nearest BF16): 32 at a time straight to BF16,
+// the edges of a block or group through float32.
 template <class TB>
 const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst) {
   if constexpr (std::is_same_v<TB, bf16>) {

@@ -200,11 +200,12 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
 
 // LoRA on the tile unit. For an expert on tiles, the LoRA products (all but the forward's gate/up z·Bᵀ, see
 // forward) run on the tile unit with BF16 operands and float32 sums, as stock PEFT runs them under bf16
-// autocast (with LoRA dropout, on operands masked in float32 first: the *_dropped_on_tiles functions): the LoRA matrices are rounded to BF16 as the kernels read them, the
-// rank-space rows (z = x·Aᵀ, wz = dy·B) once per call into the layouts of kernels.h: [tile_rows(n),
-// tile_ld(r)] per expert (`rank_at`: nt in the forward for z·Bᵀ, nn in the backward for wz·A), and transposed
-// (`rank_t_at`: [tile_rows(r), tile_ld(n)]) as the A operand of the LoRA grads, which reduce over the rows.
-// In float32 at Layer Q these products took a quarter of a training step (BENCHMARKS.md).
+// autocast (with LoRA dropout, on operands masked in float32 first: the *_dropped_on_tiles functions). The
+// LoRA matrices are rounded to BF16 as the kernels read them, the rank-space rows (z = x·Aᵀ, wz = dy·B) once
+// per call into the layouts of kernels.h: [tile_rows(n), tile_ld(r)] per expert (`rank_at`: nt in the forward
+// for down's z·Bᵀ, nn in the backward for wz·A), and transposed (`rank_t_at`: [tile_rows(r), tile_ld(n)]) as
+// the A operand of the LoRA grads, which reduce over the rows. In float32 at Layer Q these products took a
+// quarter of a training step (BENCHMARKS.md).
 struct RankTiles {
   const TilePlan& tp;
   int r;
