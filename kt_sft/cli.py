@@ -5,12 +5,35 @@ configs for the quick start)."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 import torch
 
 from . import capabilities
 from .ops.host_memory import host_headroom
+
+
+def installed(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def library_notes() -> list[str]:
+    """The model-path libraries installed, and what their versions mean for training with kt_sft."""
+    found = {name: installed(name) for name in ("transformers", "peft", "llamafactory")}
+    lines = [", ".join(f"{name} {v or 'not installed'}" for name, v in found.items())]
+    # The base install has no `packaging`: major and minor read by hand.
+    peft = tuple(int(part) for part in re.findall(r"\d+", found["peft"] or "")[:2])
+    if peft >= (0, 19):
+        lines.append(f"peft {found['peft']} leaves a model's parameters as trainable as they were when get_peft_model "
+                     "adds LoRA to kt_sft's experts: call model.requires_grad_(False) before it (LLaMA-Factory 0.9.5 "
+                     "pins peft 0.18.1, which freezes them).")
+    return lines
 
 
 def doctor(_args) -> int:
@@ -23,6 +46,10 @@ def doctor(_args) -> int:
     print("memory           : " + (f"{room[1] / 2**30:.1f} GiB, {room[0] / 2**30:.1f} GiB of it available to this "
                                    "process (MemAvailable, or its cgroup's limit net of its use)" if room else "unknown"))
     print(f"GPU              : {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
+    libraries, *notes = library_notes()
+    print(f"libraries        : {libraries}")
+    for note in notes:
+        print(f"note             : {note}")
     if caps["kernels"] is None:
         print("This CPU cannot run the expert kernels (it needs AVX2 + FMA).")
         return 1

@@ -270,3 +270,13 @@ def test_doctor_reports_what_this_machine_runs(capsys):
     out = capsys.readouterr().out
     assert f"in use: {kt_sft.capabilities()['kernels']}" in out
     assert "GiB of it available to this process" in out
+    assert "libraries        : transformers " in out
+
+
+def test_doctor_names_what_newer_peft_changes(monkeypatch, capsys):
+    from kt_sft import cli
+    monkeypatch.setattr(cli, "installed", lambda name: {"peft": "0.21.0"}.get(name))
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers not installed, peft 0.21.0, llamafactory not installed" in out
+    assert "note             : peft 0.21.0 leaves a model's parameters as trainable" in out
