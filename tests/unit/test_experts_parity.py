@@ -63,9 +63,8 @@ def test_lora_parity_fp32(kernels, shape, lora):
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
 
 
-@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
-def test_lora_grads_of_some_projections(kernels, case):
-    # Gate's and up's A grads share a work item: each must come out right when the other has none.
+def some_projections_case(case, dtype=torch.float32):
+    """Engine and reference results with LoRA on up and down only, or gate's A frozen."""
     shape = SHAPES[0]
     m = make_module(shape, lora=False)
     m.add_lora(shape.r, alpha=2.0 * shape.r, projections=("up", "down") if case == "up_and_down_only" else
@@ -76,12 +75,25 @@ def test_lora_grads_of_some_projections(kernels, case):
             p.normal_(0, 0.05, generator=gen)
     if case == "gate_A_frozen":
         m.lora_A["default"]["gate"].requires_grad_(False)
-    x, idx, w, g = inputs(shape)
+    x, idx, w, g = inputs(shape, dtype=dtype)
     got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
     if case == "gate_A_frozen":
         assert got.pop("dA_gate") is None
         ref.pop("dA_gate")
+    return got, ref, shape
+
+
+@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
+def test_lora_grads_of_some_projections(kernels, case):
+    # Gate's and up's A grads share a work item: each must come out right when the other has none.
+    got, ref, shape = some_projections_case(case)
     check(got, ref, FP32_IO, shape)
+
+
+@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
+def test_lora_grads_of_some_projections_on_tiles(tiles, case):
+    got, ref, shape = some_projections_case(case, torch.bfloat16)
+    check(got, ref, for_kernels("amx", BF16_IO, bf16_activations=True), shape)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: s.name)
