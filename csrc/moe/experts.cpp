@@ -819,8 +819,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   phase("backward.pack_dout_lora");
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
-    if (tp.on(int(e))) tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
     if (tp.on(int(e))) {
+      tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
       if (lora_on[DOWN]) rank_grad_on_tiles(DOWN, int(e), tp.at(DT, int(e), H), H);
       return;
     }
@@ -966,9 +966,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({dW_GU + 16 * p, e, b});
   }
   // On tiles the grads reduce over the expert's rows with the transposed rank-space rows as the A operand and
-  // the activations' rows as B: x and dout as the BF16 rows they came in as, dg and du from their tiles.
+  // the activations' rows as B: x (unless dropout masks it) and dout as the BF16 rows they came in as, dg and du
+  // from their tiles.
   std::vector<const bf16*> xb;
-  if (tp.rows() && r > 0) {
+  if (tp.rows() && r > 0 && !lora.dropout.on()) {
     xb.resize(N);
     for (long i = 0; i < N; ++i) xb[i] = x.as<bf16>() + long(sv.slot_token[i]) * H;
   }
