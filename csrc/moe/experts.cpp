@@ -122,9 +122,17 @@ void transpose(const float* src, long rows, long cols, float* dst, bool accumula
     for (long j = 0; j < cols; ++j) dst[j * rows + i] = (accumulate ? dst[j * rows + i] : 0.f) + src[i * cols + j];
 }
 
+// Expert e's LoRA matrices of projection p as rows: A [r, in], B [out, r] from output row row0.
+Rows<float> lora_a(const Lora& lora, int p, long e, long in) {
+  return {nullptr, lora.A[p].as<float>() + e * lora.r * in, in};
+}
+Rows<float> lora_b(const Lora& lora, int p, long e, long out, long row0) {
+  return {nullptr, lora.B[p].as<float>() + (e * out + row0) * lora.r, lora.r};
+}
+
 // Expert e's LoRA B of projection p, [out, r], into its [r, out] slot of `bt`.
 void transpose_b(const Lora& lora, int p, long e, long out, float* bt) {
-  transpose(lora.B[p].as<float>() + e * out * lora.r, out, lora.r, bt + e * lora.r * out);
+  transpose(lora_b(lora, p, e, out, 0).base, out, lora.r, bt + e * lora.r * out);
 }
 
 // Experts with at most this many rows in a forward apply LoRA B in dot form, reading B [out, r] in place:
@@ -137,8 +145,7 @@ void lora_out(const KernelSet& ks, const Lora& lora, int p, long e, long out, in
               long col0, int cols, float* c, long ldc) {
   const int r = lora.r;
   if (n <= kLoraDotRows)
-    ks.gemm_nt_f32({n, cols, r, {nullptr, z, r}, {nullptr, lora.B[p].as<float>() + (e * out + col0) * r, r}, c, ldc,
-                    lora.scale, true});
+    ks.gemm_nt_f32({n, cols, r, {nullptr, z, r}, lora_b(lora, p, e, out, col0), c, ldc, lora.scale, true});
   else
     ks.gemm_nn_f32({n, cols, r, {nullptr, z, r}, 0, false, nullptr, {nullptr, bt + e * r * out, out}, col0, c, ldc,
                     lora.scale, true});
@@ -226,14 +233,6 @@ void pack_rank_transposed(const TileKernels& tk, int n, int r, const float* z, c
   tk.pack_nn(r, n, 0, n, Rows<float>{nullptr, t.data(), n}, dst);
 }
 
-// Expert e's LoRA matrices of projection p as rows: A [r, in], B [out, r] from output row row0.
-Rows<float> lora_a(const Lora& lora, int p, long e, long in) {
-  return {nullptr, lora.A[p].as<float>() + e * lora.r * in, in};
-}
-Rows<float> lora_b(const Lora& lora, int p, long e, long out, long row0) {
-  return {nullptr, lora.B[p].as<float>() + (e * out + row0) * lora.r, lora.r};
-}
-
 // The experts that have rows in this call, in order.
 std::vector<int> routed_experts(const Saved& sv, int E) {
   std::vector<int> routed;
@@ -281,7 +280,7 @@ uint32_t dropout_key(const Lora& lora, int p, const Saved& sv, int e, int m) {
 void lora_in(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, Rows<float> a, long in, float* z,
              float* buf, long buf_floats) {
   const int n = rows_of(sv, e), r = lora.r;
-  const Rows<float> A{nullptr, lora.A[p].as<float>() + long(e) * r * in, in};
+  const Rows<float> A = lora_a(lora, p, e, in);
   if (!lora.dropout.on()) return ks.gemm_nt_f32({n, r, int(in), a, A, z, r, 1.f, false});
   const int ch = chunk_rows(buf_floats, in);
   for (int m0 = 0; m0 < n; m0 += ch) {
@@ -298,7 +297,7 @@ void lora_in(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int 
 void lora_in_grad(const KernelSet& ks, const Lora& lora, int p, const Saved& sv, int e, const float* wz, long in,
                   long col0, int cols, float* c, long ldc, float* buf, long buf_floats) {
   const int n = rows_of(sv, e), r = lora.r;
-  const Rows<float> A{nullptr, lora.A[p].as<float>() + long(e) * r * in, in};
+  const Rows<float> A = lora_a(lora, p, e, in);
   if (!lora.dropout.on())
     return ks.gemm_nn_f32({n, cols, r, {nullptr, wz, r}, 0, false, nullptr, A, col0, c, ldc, lora.scale, true});
   const int ch = chunk_rows(buf_floats, cols);
