@@ -902,11 +902,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
       if (!tp.on(int(e))) return;
       const float* w = sv.slot_w.data() + sv.offset[e];
+      // Only the operands of the grads wanted (a frozen A or B has none).
       for (int p = 0; p < 3; ++p) {
         if (!lora_on[p]) continue;
         const float* kscale = p == DOWN ? w : nullptr;
-        pack_rank_transposed(*tp.tk, n, r, wz[p] + sv.offset[e] * r, kscale, rk.rank_t_at(WZ_T[p], int(e)));
-        pack_rank_transposed(*tp.tk, n, r, sv.z[p].get() + sv.offset[e] * r, kscale, rk.rank_t_at(Z_T[p], int(e)));
+        if (!gr.dA[p].empty())
+          pack_rank_transposed(*tp.tk, n, r, wz[p] + sv.offset[e] * r, kscale, rk.rank_t_at(WZ_T[p], int(e)));
+        if (!gr.dB[p].empty())
+          pack_rank_transposed(*tp.tk, n, r, sv.z[p].get() + sv.offset[e] * r, kscale, rk.rank_t_at(Z_T[p], int(e)));
       }
     });
 
@@ -968,7 +971,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   // the activations' rows as B: x (unless dropout masks it) and dout as the BF16 rows they came in as, dg and du
   // from their tiles.
   std::vector<const bf16*> xb;
-  if (tp.rows() && r > 0 && !lora.dropout.on()) {
+  if (tp.rows() && r > 0 && !lora.dropout.on() && (wants_dA(GATE) || wants_dA(UP))) {
     xb.resize(N);
     for (long i = 0; i < N; ++i) xb[i] = x.as<bf16>() + long(sv.slot_token[i]) * H;
   }

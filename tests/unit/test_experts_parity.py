@@ -64,7 +64,7 @@ def test_lora_parity_fp32(kernels, shape, lora):
 
 
 def some_projections_case(case, dtype=torch.float32):
-    """Engine and reference results with LoRA on up and down only, or gate's A frozen."""
+    """Engine and reference results with LoRA on up and down only, gate's A frozen, or down's B frozen."""
     shape = SHAPES[0]
     m = make_module(shape, lora=False)
     m.add_lora(shape.r, alpha=2.0 * shape.r, projections=("up", "down") if case == "up_and_down_only" else
@@ -73,24 +73,25 @@ def some_projections_case(case, dtype=torch.float32):
     with torch.no_grad():
         for p in m.lora_B["default"].values():
             p.normal_(0, 0.05, generator=gen)
-    if case == "gate_A_frozen":
-        m.lora_A["default"]["gate"].requires_grad_(False)
+    frozen = {"gate_A_frozen": ("lora_A", "gate", "dA_gate"), "down_B_frozen": ("lora_B", "down", "dB_down")}.get(case)
+    if frozen:
+        getattr(m, frozen[0])["default"][frozen[1]].requires_grad_(False)
     x, idx, w, g = inputs(shape, dtype=dtype)
     got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
-    if case == "gate_A_frozen":
-        assert got.pop("dA_gate") is None
-        ref.pop("dA_gate")
+    if frozen:
+        assert got.pop(frozen[2]) is None
+        ref.pop(frozen[2])
     return got, ref, shape
 
 
-@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
+@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen", "down_B_frozen"])
 def test_lora_grads_of_some_projections(kernels, case):
     # Gate's and up's A grads share a work item: each must come out right when the other has none.
     got, ref, shape = some_projections_case(case)
     check(got, ref, FP32_IO, shape)
 
 
-@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen"])
+@pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen", "down_B_frozen"])
 def test_lora_grads_of_some_projections_on_tiles(tiles, case):
     got, ref, shape = some_projections_case(case, torch.bfloat16)
     check(got, ref, for_kernels("amx", BF16_IO, bf16_activations=True), shape)
