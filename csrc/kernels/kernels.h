@@ -107,7 +107,10 @@ struct TileNT {
   float alpha = 1.f;
 };
 
-// C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout.
+// C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout. The reduction may go on over more
+// segments, each with its own A operand (nn layout, tile_ld of its K per row) and B rows read from column b_off:
+// a second matrix of B's format (`second`), then float32 rows times their own scale (`f32`, LoRA's A), so
+// that one product sums what would take several passes over C.
 template <class TB>
 struct TileNN {
   int M, N, K;
@@ -119,6 +122,17 @@ struct TileNN {
   bool accumulate;
   Upcoming next;
   float alpha = 1.f;
+  struct Second {
+    const bf16* a = nullptr;  // none when null
+    Rows<TB> b{};
+    int K = 0;
+  } second{};
+  struct F32 {
+    const bf16* a = nullptr;  // none when null
+    Rows<float> b{};
+    int K = 0;
+    float scale = 1.f;
+  } f32[2]{};
 };
 
 struct TileKernels {

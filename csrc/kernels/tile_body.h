@@ -102,11 +102,13 @@ void pack_nn(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
     for (long k = k0; k < kend; k += TC) _mm512_storeu_si512(dst + m * ld + k, row_pairs(M, k0, klen, a, m, k));
 }
 
-// dst[0, n) = src[0, n) rounded to BF16 (nearest even), 16 at a time.
-inline void round_to_bf16(long n, const float* src, bf16* dst) {
+// dst[0, n) = scale · src[0, n) rounded to BF16 (nearest even), 16 at a time.
+inline void round_to_bf16(long n, const float* src, bf16* dst, float scale = 1.f) {
   for (long i = 0; i < n; i += 16) {
     const __mmask16 m = first16(n - i);
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    __m512 x = _mm512_maskz_loadu_ps(m, src + i);
+    if (scale != 1.f) x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+    const __m256bh v = _mm512_cvtneps_pbh(x);
     _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(v));
   }
 }
@@ -196,14 +198,14 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 }
 
 // The 2×2 block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
-// block-column j of reduction block kc, with their row strides in bytes; tile (i, j) of the result
-// covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)` stores. make_b(j, kc)
-// runs before B tile (j, kc) is first loaded (during the first block row), so a B operand packed on the
-// way overlaps its memory reads with the tile products of the previous tiles. ahead(i, step, steps) runs at
+// block-column j of reduction block kc, with their row strides in bytes (A's per reduction block: a_stride(kc));
+// tile (i, j) of the result covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)`
+// stores. make_b(j, kc) runs before B tile (j, kc) is first loaded (during the first block row), so a B operand
+// packed on the way overlaps its memory reads with the tile products of the previous tiles. ahead(i, step, steps) runs at
 // each of the `steps` reduction steps of block row pair i, so that A operands read from memory can be
 // requested a block row pair ahead, spread over the time its tile products take.
-template <class Tiles, class ATile, class BTile, class MakeB, class Ahead, class Put>
-void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
+template <class Tiles, class ATile, class AStride, class BTile, class MakeB, class Ahead, class Put>
+void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
                  Ahead ahead, Put put) {
   alignas(64) float t[TR * TR];
   Tiles::begin();
@@ -219,7 +221,7 @@ void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_t
           make_b(j, kc);
           if (j2) make_b(j + 1, kc);
         }
-        Tiles::load_a0(a_tile(i, kc), a_stride);
+        Tiles::load_a0(a_tile(i, kc), a_stride(kc));
         Tiles::load_b0(b_tile(j, kc), b_stride);
         Tiles::dp00();
         if (j2) {
@@ -227,7 +229,7 @@ void tile_blocks(int IB, int JB, int KC, long a_stride, long b_stride, ATile a_t
           Tiles::dp01();
         }
         if (i2) {
-          Tiles::load_a1(a_tile(i + 1, kc), a_stride);
+          Tiles::load_a1(a_tile(i + 1, kc), a_stride(kc));
           Tiles::dp10();
           if (j2) Tiles::dp11();
         }
@@ -280,7 +282,7 @@ void tile_nt(const TileNT<TB>& g) {
                    _MM_HINT_T1);
   };
   tile_blocks<Tiles>(
-      IB, int(kt::tile_rows(g.M) / TR), KC, ldw * 2, TBYTES,
+      IB, int(kt::tile_rows(g.M) / TR), KC, [&](int) { return ldw * 2; }, TBYTES,
       [&](int i, int kc) { return w + long(i) * TR * ldw + kc * TC; },
       [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {}, ahead,
       [&](int i, int j, const float* t) {
@@ -291,40 +293,86 @@ void tile_nt(const TileNT<TB>& g) {
 
 // Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of its
 // transpose) while the first block row computes; result tile (i, j) = activation rows i·16.., output
-// columns j·16...
+// columns j·16... With more segments (TileNN's `second`, `f32`) their reduction blocks follow B's in the panel.
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
-  const long ld = kt::tile_ld(g.K), np = kt::tile_rows(g.N);
-  const int KC = int(ld / TC);
+  const long np = kt::tile_rows(g.N);
+  // Reduction segments in panel order: source 0 is (a, b), 1 `second`, 2 and 3 `f32`.
+  struct Segment {
+    int source, K, kc0, blocks;
+    const bf16* a;
+    long ld;
+  };
+  Segment seg[4];
+  int nseg = 0, KC = 0;
+  auto add = [&](int source, const bf16* a, int K) {
+    const long ld = kt::tile_ld(K);
+    seg[nseg++] = {source, K, KC, int(ld / TC), a, ld};
+    KC += int(ld / TC);
+  };
+  add(0, g.a, g.K);
+  if (g.second.a) add(1, g.second.a, g.second.K);
+  for (int f = 0; f < 2; ++f)
+    if (g.f32[f].a) add(2 + f, g.f32[f].a, g.f32[f].K);
+  auto segment_of = [&](int kc) -> const Segment& {
+    int s = 0;
+    while (kc >= seg[s].kc0 + seg[s].blocks) ++s;
+    return seg[s];
+  };
   thread_local std::vector<bf16> panel, decoded;
-  panel.resize(np * ld);
+  panel.resize(np * KC * TC);
   decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
   const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
       _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
                        18, 2, 17, 1, 16, 0);
-  // Reduction block kc of every block column at once, when the first block column asks for it: each row is
-  // read (or decoded) once as one contiguous segment of N columns. The rows lie a page or more apart, out of
-  // the hardware prefetchers' reach: the next reduction block's rows are requested while this one is packed.
+  // Rows k, k + 1 of a segment's B (K rows; null past K) into tile row (k % 32) / 2 of reduction block kc.
+  auto pack_pair = [&](int kc, long k, const bf16* r0, const bf16* r1) {
+    bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
+    for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(KC) * TBLK) {
+      const __mmask16 mask = first16(g.N - n0);
+      const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0 + n0) : _mm256_setzero_si256();
+      const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1 + n0) : _mm256_setzero_si256();
+      const __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+    }
+  };
+  // Rows of a weight segment: each row is read (or decoded) once per item as one contiguous segment of N
+  // columns. The rows lie a page or more apart, out of the hardware prefetchers' reach: the next reduction
+  // block's rows are requested while this one is packed.
+  auto pack_weights = [&](const kt::Rows<TB>& b, int K, int kc, long k0) {
+    for (long k = k0; k < k0 + TC; k += 2) {
+      if constexpr (std::is_same_v<TB, bf16>)
+        for (long row = k + TC; row < std::min<long>(k + TC + 2, K); ++row)
+          for (long c = 0; c < g.N; c += TC)
+            _mm_prefetch(reinterpret_cast<const char*>(b.at(row) + g.b_off + c), _MM_HINT_T0);
+      pack_pair(kc, k, k < K ? row_bf16(b, k, g.b_off, g.N, decoded.data()) : nullptr,
+                k + 1 < K ? row_bf16(b, k + 1, g.b_off, g.N, decoded.data() + np) : nullptr);
+    }
+  };
+  auto pack_f32 = [&](const typename TileNN<TB>::F32& f, int kc, long k0) {
+    for (long k = k0; k < k0 + TC; k += 2) {
+      bf16* r[2] = {};
+      for (int h = 0; h < 2; ++h)
+        if (k + h < f.K) {
+          r[h] = decoded.data() + h * np;
+          round_to_bf16(g.N, f.b.at(k + h) + g.b_off, r[h], f.scale);
+        }
+      pack_pair(kc, k, r[0], r[1]);
+    }
+  };
+  // Reduction block kc of every block column at once, when the first block column asks for it.
   auto make_b = [&](int j, int kc) {
     if (j != 0) return;
-    for (long k = long(kc) * TC; k < long(kc + 1) * TC; k += 2) {
-      if constexpr (std::is_same_v<TB, bf16>)
-        for (long row = k + TC; row < std::min<long>(k + TC + 2, g.K); ++row)
-          for (long c = 0; c < g.N; c += TC)
-            _mm_prefetch(reinterpret_cast<const char*>(g.b.at(row) + g.b_off + c), _MM_HINT_T0);
-      const bf16* r0 = k < g.K ? row_bf16(g.b, k, g.b_off, g.N, decoded.data()) : nullptr;
-      const bf16* r1 = k + 1 < g.K ? row_bf16(g.b, k + 1, g.b_off, g.N, decoded.data() + np) : nullptr;
-      bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
-      for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(KC) * TBLK) {
-        const __mmask16 mask = first16(g.N - n0);
-        const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0 + n0) : _mm256_setzero_si256();
-        const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1 + n0) : _mm256_setzero_si256();
-        const __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
-      }
-    }
+    const Segment& s = segment_of(kc);
+    const long k0 = long(kc - s.kc0) * TC;
+    if (s.source == 0)
+      pack_weights(g.b, g.K, kc, k0);
+    else if (s.source == 1)
+      pack_weights(g.second.b, g.second.K, kc, k0);
+    else
+      pack_f32(g.f32[s.source - 2], kc, k0);
   };
   // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over its steps.
   const int IB = int(kt::tile_rows(g.M) / TR);
@@ -332,7 +380,11 @@ void tile_nn(const TileNN<TB>& g) {
     request_share(g.next, long(i / 2) * steps + step, long((IB + 1) / 2) * steps);
   };
   tile_blocks<Tiles>(
-      IB, int(np / TR), KC, ld * 2, TBYTES, [&](int i, int kc) { return g.a + long(i) * TR * ld + kc * TC; },
+      IB, int(np / TR), KC, [&](int kc) { return segment_of(kc).ld * 2; }, TBYTES,
+      [&](int i, int kc) {
+        const Segment& s = segment_of(kc);
+        return s.a + long(i) * TR * s.ld + long(kc - s.kc0) * TC;
+      },
       [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,

@@ -913,17 +913,44 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       }
     });
 
-  // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k.
+  // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k. For an expert on tiles (without
+  // dropout, whose masks differ per projection) one tile product sums all four terms: its panel holds Wg's
+  // and Wu's rows, then s·Ag's and s·Au's, so C is stored once instead of added into three more times.
   phase("backward.dx");
+  const bool fuse_dx = !lora.dropout.on();
+  auto dx_width = [&](int e) { return fuse_dx && tp.on(e) ? nn_width(tp, e, 2 * I) / 2 : nn_width(tp, e, I); };
   items.clear();
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
-      for (int b = 0; b < ceil_div(H, nn_width(tp, e, I)); ++b) items.push_back({0, e, b});
+      for (int b = 0; b < ceil_div(H, dx_width(e)); ++b) items.push_back({0, e, b});
+  // The next item's gate and up panels (adjacent rows of gate_up_proj), where they fit as panel_of's do.
+  auto gate_up_panels = [&](long it) {
+    const int e = items[it].e, width = dx_width(e);
+    const long c0 = long(items[it].block) * width;
+    if (2 * I * width * 2 > kPanelBytes) return Upcoming{};
+    return upcoming(e, GATE, 0, 2 * I, c0, std::min<long>(width, H - c0));
+  };
   rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
-    const int e = items[it].e, n = rows_of(sv, e), width = nn_width(tp, e, I);
+    const int e = items[it].e, n = rows_of(sv, e), width = dx_width(e);
     const long h0 = long(items[it].block) * width;
     const int hb = int(std::min<long>(width, H - h0));
     float* c = dXs + sv.offset[e] * H + h0;
+    if (fuse_dx && tp.on(e)) {
+      const Upcoming next = next_it >= 0 ? gate_up_panels(next_it) : Upcoming{};
+      with_rows(e, GATE, 0, [&](const auto& gate) {
+        with_rows(e, UP, 0, [&](const auto& up) {
+          // One format per expert: the rows are always of one type (the check only prunes instantiations).
+          if constexpr (std::is_same_v<std::decay_t<decltype(gate)>, std::decay_t<decltype(up)>>) {
+            auto g = tile_nn(n, hb, int(I), tp.at(GT, e, I), gate, h0, c, H, false, next);
+            g.second = {tp.at(UT, e, I), up, int(I)};
+            for (int p = GATE; p <= UP; ++p)
+              if (lora_on[p]) g.f32[p] = {rk.rank_at(WT[p], e), lora_a(lora, p, e, H), r, s};
+            run_tile(*tp.tk, g);
+          }
+        });
+      });
+      return;
+    }
     float* dgu[2] = {dG, dU};
     const bf16* dgu_t[2] = {GT, UT};
     for (int p = GATE; p <= UP; ++p) {
