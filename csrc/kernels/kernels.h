@@ -107,6 +107,10 @@ struct TileNT {
   float alpha = 1.f;
 };
 
+// Bytes of the packed weight panel a tile_nn product keeps in the core's L2 for its reuse by every 32-row block
+// of activations: a larger panel (long reduction × wide columns) is reduced in chunks of reduction blocks.
+constexpr long kPanelBytes = 1L << 20;
+
 // C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout. The reduction may go on over more
 // segments, each with its own A operand (nn layout, tile_ld of its K per row) and B rows read from column b_off:
 // a second matrix of B's format (`second`), then float32 rows times their own scale (`f32`, LoRA's A), so

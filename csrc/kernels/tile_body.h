@@ -294,6 +294,8 @@ void tile_nt(const TileNT<TB>& g) {
 // Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of its
 // transpose) while the first block row computes; result tile (i, j) = activation rows i·16.., output
 // columns j·16... With more segments (TileNN's `second`, `f32`) their reduction blocks follow B's in the panel.
+// A panel over kPanelBytes is packed and used in chunks of reduction blocks, each chunk's products added into
+// C: wide items then read long contiguous pieces of each weight row whatever the reduction's length.
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
@@ -320,17 +322,19 @@ void tile_nn(const TileNN<TB>& g) {
     while (kc >= seg[s].kc0 + seg[s].blocks) ++s;
     return seg[s];
   };
+  const int CH = int(std::min<long>(KC, std::max<long>(1, kt::kPanelBytes / (np * TBYTES))));
+  int c0 = 0, ch = CH;  // the chunk being reduced: reduction blocks [c0, c0 + ch), panel slots [0, ch)
   thread_local std::vector<bf16> panel, decoded;
-  panel.resize(np * KC * TC);
+  panel.resize(np * CH * TC);
   decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
   const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
       _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
                        18, 2, 17, 1, 16, 0);
-  // Rows k, k + 1 of a segment's B (K rows; null past K) into tile row (k % 32) / 2 of reduction block kc.
+  // Rows k, k + 1 of a segment's B (K rows; null past K) into tile row (k % 32) / 2 of panel slot kc.
   auto pack_pair = [&](int kc, long k, const bf16* r0, const bf16* r1) {
     bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
-    for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(KC) * TBLK) {
+    for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(ch) * TBLK) {
       const __mmask16 mask = first16(g.N - n0);
       const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0 + n0) : _mm256_setzero_si256();
       const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1 + n0) : _mm256_setzero_si256();
@@ -362,11 +366,11 @@ void tile_nn(const TileNN<TB>& g) {
       pack_pair(kc, k, r[0], r[1]);
     }
   };
-  // Reduction block kc of every block column at once, when the first block column asks for it.
+  // Reduction block c0 + kc of every block column at once, when the first block column asks for it.
   auto make_b = [&](int j, int kc) {
     if (j != 0) return;
-    const Segment& s = segment_of(kc);
-    const long k0 = long(kc - s.kc0) * TC;
+    const Segment& s = segment_of(c0 + kc);
+    const long k0 = long(c0 + kc - s.kc0) * TC;
     if (s.source == 0)
       pack_weights(g.b, g.K, kc, k0);
     else if (s.source == 1)
@@ -374,22 +378,27 @@ void tile_nn(const TileNN<TB>& g) {
     else
       pack_f32(g.f32[s.source - 2], kc, k0);
   };
-  // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over its steps.
-  const int IB = int(kt::tile_rows(g.M) / TR);
+  // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over the
+  // steps of all its chunks.
+  const int IB = int(kt::tile_rows(g.M) / TR), JB = int(np / TR);
+  const long pair_steps = long((JB + 1) / 2), total = long((IB + 1) / 2) * pair_steps * KC;
   auto ahead = [&](int i, long step, long steps) {
-    request_share(g.next, long(i / 2) * steps + step, long((IB + 1) / 2) * steps);
+    request_share(g.next, long((IB + 1) / 2) * pair_steps * c0 + long(i / 2) * steps + step, total);
   };
-  tile_blocks<Tiles>(
-      IB, int(np / TR), KC, [&](int kc) { return segment_of(kc).ld * 2; }, TBYTES,
-      [&](int i, int kc) {
-        const Segment& s = segment_of(kc);
-        return s.a + long(i) * TR * s.ld + long(kc - s.kc0) * TC;
-      },
-      [&](int j, int kc) { return panel.data() + (long(j) * KC + kc) * TBLK; }, make_b, ahead,
-      [&](int i, int j, const float* t) {
-        put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
-                 g.accumulate, g.alpha);
-      });
+  for (; c0 < KC; c0 += CH) {
+    ch = std::min(CH, KC - c0);
+    tile_blocks<Tiles>(
+        IB, JB, ch, [&](int kc) { return segment_of(c0 + kc).ld * 2; }, TBYTES,
+        [&](int i, int kc) {
+          const Segment& s = segment_of(c0 + kc);
+          return s.a + long(i) * TR * s.ld + long(c0 + kc - s.kc0) * TC;
+        },
+        [&](int j, int kc) { return panel.data() + (long(j) * ch + kc) * TBLK; }, make_b, ahead,
+        [&](int i, int j, const float* t) {
+          put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
+                   g.accumulate || c0 > 0, g.alpha);
+        });
+  }
 }
 
 template <class Tiles>

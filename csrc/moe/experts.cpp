@@ -183,15 +183,13 @@ struct TilePlan {
 };
 
 // Output columns of a backward axpy-form work item (dy·W, reduction over K weight rows) of expert e. On the
-// tile unit the item packs its weight panel, a segment of each of the K rows: wider items read longer
-// contiguous segments (the rows lie a page or more apart) while the packed panel (K × width BF16) stays
-// within kPanelBytes of the core's L2 for its reuse by every 32-row block of activations.
-constexpr long kPanelBytes = 1L << 20;
+// tile unit the item packs its weight panel, a segment of each of the K rows, which lie a page or more apart:
+// 256 columns (512-byte segments) while the panel (K × width BF16) fits kPanelBytes whole, for its reuse by
+// every 32-row block of activations (Layer Q); past that the panel is reduced in chunks, and 512 columns read
+// 1 KB segments (at the DeepSeek-V3 layer, 64- and 128-column items read the weights at half the forward's rate).
 int nn_width(const TilePlan& tp, int e, long K) {
-  if (tp.on(e))
-    for (int width : {256, 128})
-      if (K * width * 2 <= kPanelBytes) return width;
-  return BLOCK;
+  if (!tp.on(e)) return BLOCK;
+  return K * 256 * 2 <= kPanelBytes ? 256 : 512;
 }
 
 TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, int min_rows) {
@@ -918,12 +916,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   // and Wu's rows, then s·Ag's and s·Au's, so C is stored once instead of added into three more times.
   phase("backward.dx");
   const bool fuse_dx = !lora.dropout.on();
-  auto dx_width = [&](int e) { return fuse_dx && tp.on(e) ? nn_width(tp, e, 2 * I) / 2 : nn_width(tp, e, I); };
+  auto dx_width = [&](int e) { return nn_width(tp, e, fuse_dx ? 2 * I : I); };
   items.clear();
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(H, dx_width(e)); ++b) items.push_back({0, e, b});
-  // The next item's gate and up panels (adjacent rows of gate_up_proj), where they fit as panel_of's do.
+  // The next item's gate and up panels (adjacent rows of gate_up_proj), where they fit kPanelBytes. Unlike
+  // panel_of's, the two panels together may not (Layer Q's 256-column items: 2 × 768 KB): measured there no slower
+  // than 128-column items whose panels fit together.
   auto gate_up_panels = [&](long it) {
     const int e = items[it].e, width = dx_width(e);
     const long c0 = long(items[it].block) * width;

@@ -133,9 +133,11 @@ def tiles(request):
     kt_sft.configure(kernels="", tile_min_rows=0)
 
 
-# BF16 activations through the tile products: every shape, odd sizes taking the decoded-panel path and
-# multiples of 16/32 the in-place weight loads.
-@pytest.mark.parametrize("shape", SHAPES + [Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2)],
+# BF16 activations through the tile products: every shape, odd sizes taking the decoded-panel path,
+# multiples of 16/32 the in-place weight loads, and reductions long enough (dout·Wd over H, dx over 2I and
+# LoRA's ranks) that the backward's weight panels outgrow kPanelBytes and are reduced in chunks.
+@pytest.mark.parametrize("shape", SHAPES + [Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2),
+                                            Shape("chunked_panels", T=40, H=2100, I=2100, E=2, K=1, r=4)],
                          ids=lambda s: s.name)
 def test_bf16_activations_on_tiles(tiles, shape):
     m = make_module(shape, lora=True)
