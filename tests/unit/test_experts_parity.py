@@ -134,10 +134,13 @@ def tiles(request):
 
 
 # BF16 activations through the tile products: every shape, odd sizes taking the decoded-panel path,
-# multiples of 16/32 the in-place weight loads, and reductions long enough (dout·Wd over H, dx over 2I and
-# LoRA's ranks) that the backward's weight panels outgrow kPanelBytes and are reduced in chunks.
+# multiples of 16/32 the in-place weight loads, and reductions long enough that the axpy form's panels outgrow
+# kPanelBytes and are reduced in chunks: the backward's weight panels (dout·Wd over H, dx over 2I and LoRA's
+# ranks), and the weight grads' activation panels of an expert with over 2048 rows (a reduction over its rows).
 @pytest.mark.parametrize("shape", SHAPES + [Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2),
-                                            Shape("chunked_panels", T=40, H=2100, I=2100, E=2, K=1, r=4)],
+                                            Shape("chunked_panels", T=40, H=2100, I=2100, E=2, K=1, r=4),
+                                            Shape("chunked_row_reduction", T=2100, H=256, I=256, E=2, K=1, r=4,
+                                                  routing="one")],
                          ids=lambda s: s.name)
 def test_bf16_activations_on_tiles(tiles, shape):
     m = make_module(shape, lora=True)
