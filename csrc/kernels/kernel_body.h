@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -94,6 +95,10 @@ struct Int4Cursor {
   typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
   static constexpr bool kPairs = false;
   float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
+  // The codes (nibble, 0..15) of columns k, k + 2, … into `even` and k + 1, k + 3, … into `odd`, W each (k even).
+  void codes_split(long k, typename S::V& even, typename S::V& odd) const {
+    S::int4_codes_split(reinterpret_cast<const uint8_t*>(w) + k / 2, even, odd);
+  }
   const char* codes() const { return reinterpret_cast<const char*>(w); }
   static long code_bytes(long K) { return (K + 1) / 2; }
   float one(long k) const { return float(kt::int4_nibble(w, k) - 8) * scale(k); }
@@ -206,6 +211,27 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
 // Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where a
 // decoded tile would be used only once: products with a segment's raw values are summed, then scaled once,
 // which saves a multiply per vector.
+// The codes of the next block of weight rows, requested while this block computes, a share per segment: quantized
+// rows (1-2 KB at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on
+// the first lines of every row (the instructions after the code loads took most of its samples on the dev machine).
+template <int NR, class Cursor>
+struct NextBlockRequests {
+  const Cursor* next;  // the next block's rows
+  int rows;
+  long row_lines, per_segment;
+  int row = 0;    // the next line to request: row of the next block,
+  long line = 0;  // and line within it
+  NextBlockRequests(const Cursor* next_rows, int nn, long K, long segments)
+      : next(next_rows), rows(std::max(nn, 0)), row_lines((Cursor::code_bytes(K) + 63) / 64),
+        per_segment(segments ? (rows * row_lines + segments - 1) / segments : 0) {}
+  void segment() {
+    for (long l = 0; l < per_segment && row < rows; ++l) {
+      __builtin_prefetch(next[row].codes() + line * 64);
+      if (++line == row_lines) line = 0, ++row;
+    }
+  }
+};
+
 template <int MR, int NR, class S, class TB>
 void gemm_nt_fused(const GemmNT<TB>& g) {
   using Cursor = decltype(cursor<S>(g.b, 0));
@@ -217,13 +243,7 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
     const int nn = std::min(NR, g.N - n0 - NR);  // rows of the next block
     for (int j = 0; j < NR; ++j) cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
     for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
-    // The next block's codes are requested while this one computes, a share per segment: quantized rows (1-2 KB
-    // at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on the first
-    // lines of every row (the instructions after the code loads took most of its samples on the dev machine).
-    const long row_lines = (Cursor::code_bytes(g.K) + 63) / 64, segments = (kv + Cursor::SEG - 1) / Cursor::SEG;
-    const long per_segment = segments ? (std::max(nn, 0) * row_lines + segments - 1) / segments : 0;
-    int req_row = 0;    // the next line to request: row of the next block,
-    long req_line = 0;  // and line within it
+    NextBlockRequests<NR, Cursor> requests(next, nn, g.K, (kv + Cursor::SEG - 1) / Cursor::SEG);
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const float* a[MR];
@@ -233,10 +253,7 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
         for (int j = 0; j < NR; ++j) acc[i][j] = S::zero();
       for (long k0 = 0; k0 < kv; k0 += Cursor::SEG) {
         const long k1 = std::min<long>(k0 + Cursor::SEG, kv);
-        for (long l = 0; l < per_segment && req_row < nn; ++l) {
-          __builtin_prefetch(next[req_row].codes() + req_line * 64);
-          if (++req_line == row_lines) req_line = 0, ++req_row;
-        }
+        requests.segment();
         VS seg[MR][NR];
         for (int i = 0; i < MR; ++i)
           for (int j = 0; j < NR; ++j) seg[i][j] = S::zero();
@@ -275,12 +292,94 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
   }
 }
 
+// INT4 decode where the set splits a byte's two nibbles at once (Simd::int4_split), K a multiple of the group:
+// the even- and odd-indexed weights of a group come out as separate vectors, so the activation rows are read
+// from a copy whose groups list their even-indexed values first (made once per call), and the codes' offset 8
+// comes off once per row: Σ_g s_g Σ (q − 8)·x = Σ_g s_g Σ q·x − 8 Σ_g s_g Σ_g x. A block's group scales are
+// widened once, so a group costs the loop one broadcast per weight row besides its decoding and FMAs.
+template <int MR, int NR, class S>
+void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
+  using Cursor = Int4Cursor<S>;
+  using VS = typename S::V;
+  constexpr int G = int4_group::GROUP;
+  const long groups = g.K / G;
+  thread_local std::vector<float> xs, sums, scales;
+  xs.resize(size_t(g.M) * g.K);
+  sums.resize(size_t(g.M) * groups);
+  scales.resize(size_t(NR) * groups);
+  for (int i = 0; i < g.M; ++i) {
+    const float* x = g.a.at(i);
+    float* d = xs.data() + long(i) * g.K;
+    for (long q = 0; q < g.K; q += G) {
+      float sum = 0.f;
+      for (int t = 0; t < G / 2; ++t) {
+        d[q + t] = x[q + 2 * t];
+        d[q + G / 2 + t] = x[q + 2 * t + 1];
+        sum += x[q + 2 * t] + x[q + 2 * t + 1];
+      }
+      sums[long(i) * groups + q / G] = sum;
+    }
+  }
+  for (int n0 = 0; n0 < g.N; n0 += NR) {
+    const int nr = std::min(NR, g.N - n0);
+    Cursor cur[NR], next[NR];
+    const int nn = std::min(NR, g.N - n0 - NR);
+    for (int j = 0; j < NR; ++j) {
+      cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
+      to_f32_row(cur[j].sc, groups, scales.data() + j * groups);
+    }
+    for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
+    NextBlockRequests<NR, Cursor> requests(next, nn, g.K, groups);
+    for (int m0 = 0; m0 < g.M; m0 += MR) {
+      const int mr = std::min(MR, g.M - m0);
+      const float* a[MR];
+      for (int i = 0; i < MR; ++i) a[i] = xs.data() + (m0 + std::min(i, mr - 1)) * g.K;
+      VS acc[MR][NR];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = S::zero();
+      for (long q = 0; q < groups; ++q) {
+        requests.segment();
+        VS seg[MR][NR];
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; ++j) seg[i][j] = S::zero();
+        for (int h = 0; h < G / 2; h += S::W) {  // W bytes of the group's G / 2: 2·W weights
+          VS ae[MR], ao[MR];
+          for (int i = 0; i < MR; ++i) ae[i] = S::load(a[i] + q * G + h), ao[i] = S::load(a[i] + q * G + G / 2 + h);
+          for (int j = 0; j < NR; ++j) {
+            VS even, odd;
+            cur[j].codes_split(q * G + 2 * h, even, odd);
+            for (int i = 0; i < MR; ++i) seg[i][j] = S::fma(ao[i], odd, S::fma(ae[i], even, seg[i][j]));
+          }
+        }
+        for (int j = 0; j < NR; ++j) {
+          const VS sv = S::set1(scales[j * groups + q]);
+          for (int i = 0; i < MR; ++i) acc[i][j] = S::fma(seg[i][j], sv, acc[i][j]);
+        }
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j) {
+          const float* gs = sums.data() + (m0 + i) * groups;
+          const float* sc = scales.data() + j * groups;
+          VS off = S::zero();
+          long q = 0;
+          for (; q + S::W <= groups; q += S::W) off = S::fma(S::load(sc + q), S::load(gs + q), off);
+          float offset = S::hsum(off);
+          for (; q < groups; ++q) offset = std::fma(sc[q], gs[q], offset);
+          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, S::hsum(acc[i][j]) - 8.f * offset, g.accumulate);
+        }
+    }
+  }
+}
+
 template <class TB, class S = Simd>
 void gemm_nt(const GemmNT<TB>& g) {
   if constexpr (kQuantized<TB> && S::W >= 8) {
     // Weight rows in flight: 2·MR·NR accumulators (segment and total) fit 16 ymm with NR·MR = 4 on AVX2,
     // 32 zmm with NR·MR = 8 on AVX-512.
     constexpr int RN = S::W == 8 ? 4 : 8;
+    if constexpr (std::is_same_v<TB, int4_group> && S::int4_split)
+      if (g.M <= 2 && g.K % int4_group::GROUP == 0)
+        return g.M == 1 ? gemm_nt_int4_split<1, RN, S>(g) : gemm_nt_int4_split<2, RN / 2, S>(g);
     if (g.M == 1) return gemm_nt_fused<1, RN, S>(g);
     if (g.M == 2) return gemm_nt_fused<2, RN / 2, S>(g);
   }

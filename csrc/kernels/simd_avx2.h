@@ -32,6 +32,15 @@ struct Simd {
     lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
+  // 2·W INT4 nibbles from W bytes (byte t holds weights 2t, low nibble, and 2t + 1) as their codes 0..15 in
+  // float32, without the offset 8: the even-indexed weights in `even`, the odd in `odd`. Half the integer
+  // steps per weight of int4_values (a byte widening, a mask or a shift, a conversion per W weights).
+  static constexpr bool int4_split = true;
+  static void int4_codes_split(const uint8_t* p, V& even, V& odd) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    even = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
   // The W = 8 nibbles of one int32 word, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
     __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(int(p[0])), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));

@@ -29,6 +29,7 @@ struct Simd {
     lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
+  static constexpr bool int4_split = false;  // the split INT4 decode (simd_avx2.h) has not run on AVX-512 yet
   // The W = 16 nibbles of two int32 words, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(int(p[0]))), _mm256_set1_epi32(int(p[1])), 1);

@@ -10,6 +10,7 @@ struct Simd {
   using V = float;
   static constexpr int W = 1;
   static constexpr bool fp8_pairs = false;
+  static constexpr bool int4_split = false;
   static V zero() { return 0.f; }
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
