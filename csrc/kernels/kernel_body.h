@@ -208,13 +208,10 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
   }
 }
 
-// Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where a
-// decoded tile would be used only once: products with a segment's raw values are summed, then scaled once,
-// which saves a multiply per vector.
 // The codes of the next block of weight rows, requested while this block computes, a share per segment: quantized
 // rows (1-2 KB at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on
 // the first lines of every row (the instructions after the code loads took most of its samples on the dev machine).
-template <int NR, class Cursor>
+template <class Cursor>
 struct NextBlockRequests {
   const Cursor* next;  // the next block's rows
   int rows;
@@ -232,6 +229,9 @@ struct NextBlockRequests {
   }
 };
 
+// Quantized weights decoded in registers and used at once, for one or two activation rows (decode), where a
+// decoded tile would be used only once: products with a segment's raw values are summed, then scaled once,
+// which saves a multiply per vector.
 template <int MR, int NR, class S, class TB>
 void gemm_nt_fused(const GemmNT<TB>& g) {
   using Cursor = decltype(cursor<S>(g.b, 0));
@@ -243,7 +243,7 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
     const int nn = std::min(NR, g.N - n0 - NR);  // rows of the next block
     for (int j = 0; j < NR; ++j) cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
     for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
-    NextBlockRequests<NR, Cursor> requests(next, nn, g.K, (kv + Cursor::SEG - 1) / Cursor::SEG);
+    NextBlockRequests<Cursor> requests(next, nn, g.K, (kv + Cursor::SEG - 1) / Cursor::SEG);
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const float* a[MR];
@@ -329,7 +329,7 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
       to_f32_row(cur[j].sc, groups, scales.data() + j * groups);
     }
     for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
-    NextBlockRequests<NR, Cursor> requests(next, nn, g.K, groups);
+    NextBlockRequests<Cursor> requests(next, nn, g.K, groups);
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const float* a[MR];
