@@ -29,7 +29,13 @@ struct Simd {
     lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
-  static constexpr bool int4_split = false;  // the split INT4 decode (simd_avx2.h) has not run on AVX-512 yet
+  // As in simd_avx2.h: a group's 16 bytes give its 16 even- and 16 odd-indexed codes.
+  static constexpr bool int4_split = true;
+  static void int4_codes_split(const uint8_t* p, V& even, V& odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
   // The W = 16 nibbles of two int32 words, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(int(p[0]))), _mm256_set1_epi32(int(p[1])), 1);

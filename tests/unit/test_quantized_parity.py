@@ -18,7 +18,7 @@ SHAPES = [
     Shape("experts_without_tokens", T=3, H=160, I=64, E=16, K=2),
     Shape("all_tokens_on_one_expert", T=33, H=96, I=48, E=4, K=1, routing="one"),
     Shape("t1_decode", T=1, H=300, I=70, E=8, K=4),
-    # one and two rows per expert over whole INT4 groups: the split decode where the kernel set has it (avx2)
+    # one and two rows per expert over whole INT4 groups: the split decode on the avx2 and avx512 sets
     Shape("decode_whole_groups", T=1, H=96, I=64, E=4, K=2, routing="few"),
     Shape("two_rows_whole_groups", T=2, H=96, I=64, E=4, K=2, routing="few"),
 ] + [s for s in BF16_SHAPES if s.name in ("odd_h_and_i", "large_t", "rank_above_tile", "rank_256", "no_tokens",
