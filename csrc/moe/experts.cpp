@@ -185,11 +185,15 @@ struct TilePlan {
 // Output columns of a backward axpy-form work item (dy·W, reduction over K weight rows) of expert e. On the
 // tile unit the item packs its weight panel, a segment of each of the K rows, which lie a page or more apart:
 // 256 columns (512-byte segments) while the panel (K × width BF16) fits kPanelBytes whole, for its reuse by
-// every 32-row block of activations (Layer Q); past that the panel is reduced in chunks, and 512 columns read
-// 1 KB segments (at the DeepSeek-V3 layer, 64- and 128-column items read the weights at half the forward's rate).
+// every 32-row block of activations (Layer Q); past that the panel is reduced in chunks, and the segments are
+// longer: 1 KB (512 columns), or 2 KB for an expert of at most 32 rows, whose results (rows × width float32,
+// re-read by every chunk) stay small. At the DeepSeek-V3 layer 64- and 128-column items read the weights at
+// half the forward's rate; 1024 columns measured 5-10% faster than 512 at T = 512 (~16 rows per expert) and
+// slower at T = 4096 (~128), and wider ones slower at both (BENCHMARKS.md).
 int nn_width(const TilePlan& tp, int e, long K) {
   if (!tp.on(e)) return BLOCK;
-  return K * 256 * 2 <= kPanelBytes ? 256 : 512;
+  if (K * 256 * 2 <= kPanelBytes) return 256;
+  return tp.row0[e + 1] - tp.row0[e] <= 32 ? 1024 : 512;
 }
 
 TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, int min_rows) {
