@@ -95,9 +95,10 @@ struct Int4Cursor {
   typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
   static constexpr bool kPairs = false;
   float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
-  // The codes (nibble, 0..15) of columns k, k + 2, … into `even` and k + 1, k + 3, … into `odd`, W each (k even).
-  void codes_split(long k, typename S::V& even, typename S::V& odd) const {
-    S::int4_codes_split(reinterpret_cast<const uint8_t*>(w) + k / 2, even, odd);
+  // Columns k, k + 2, … into `even` and k + 1, k + 3, … into `odd`, W each (k even), without their scale and
+  // short of S::int4_split_bias: each is nibble − 8 + int4_split_bias.
+  void values_split(long k, typename S::V& even, typename S::V& odd) const {
+    S::int4_split_values(reinterpret_cast<const uint8_t*>(w) + k / 2, even, odd);
   }
   const char* codes() const { return reinterpret_cast<const char*>(w); }
   static long code_bytes(long K) { return (K + 1) / 2; }
@@ -294,18 +295,20 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
 
 // INT4 decode where the set splits a byte's two nibbles at once (Simd::int4_split), K a multiple of the group:
 // the even- and odd-indexed weights of a group come out as separate vectors, so the activation rows are read
-// from a copy whose groups list their even-indexed values first (made once per call), and the codes' offset 8
-// comes off once per row: Σ_g s_g Σ (q − 8)·x = Σ_g s_g Σ q·x − 8 Σ_g s_g Σ_g x. A block's group scales are
-// widened once, so a group costs the loop one broadcast per weight row besides its decoding and FMAs.
+// from a copy whose groups list their even-indexed values first (made once per call). A set whose split values
+// are the codes (int4_split_bias 8) takes the offset off once per row: Σ_g s_g Σ (q − 8)·x = Σ_g s_g Σ q·x −
+// 8 Σ_g s_g Σ_g x. A block's group scales are widened once, so a group costs the loop one broadcast per weight
+// row besides its decoding and FMAs.
 template <int MR, int NR, class S>
 void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
   using Cursor = Int4Cursor<S>;
   using VS = typename S::V;
   constexpr int G = int4_group::GROUP;
+  constexpr float bias = S::int4_split_bias;
   const long groups = g.K / G;
   thread_local std::vector<float> xs, sums, scales;
   xs.resize(size_t(g.M) * g.K);
-  sums.resize(size_t(g.M) * groups);
+  if constexpr (bias != 0) sums.resize(size_t(g.M) * groups);
   scales.resize(size_t(NR) * groups);
   for (int i = 0; i < g.M; ++i) {
     const float* x = g.a.at(i);
@@ -317,7 +320,7 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
         d[q + G / 2 + t] = x[q + 2 * t + 1];
         sum += x[q + 2 * t] + x[q + 2 * t + 1];
       }
-      sums[long(i) * groups + q / G] = sum;
+      if constexpr (bias != 0) sums[long(i) * groups + q / G] = sum;
     }
   }
   for (int n0 = 0; n0 < g.N; n0 += NR) {
@@ -347,7 +350,7 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
           for (int i = 0; i < MR; ++i) ae[i] = S::load(a[i] + q * G + h), ao[i] = S::load(a[i] + q * G + G / 2 + h);
           for (int j = 0; j < NR; ++j) {
             VS even, odd;
-            cur[j].codes_split(q * G + 2 * h, even, odd);
+            cur[j].values_split(q * G + 2 * h, even, odd);
             for (int i = 0; i < MR; ++i) seg[i][j] = S::fma(ao[i], odd, S::fma(ae[i], even, seg[i][j]));
           }
         }
@@ -358,14 +361,17 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
       }
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nr; ++j) {
-          const float* gs = sums.data() + (m0 + i) * groups;
-          const float* sc = scales.data() + j * groups;
-          VS off = S::zero();
-          long q = 0;
-          for (; q + S::W <= groups; q += S::W) off = S::fma(S::load(sc + q), S::load(gs + q), off);
-          float offset = S::hsum(off);
-          for (; q < groups; ++q) offset = std::fma(sc[q], gs[q], offset);
-          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, S::hsum(acc[i][j]) - 8.f * offset, g.accumulate);
+          float offset = 0.f;  // Σ_g s_g Σ_g x
+          if constexpr (bias != 0) {
+            const float* gs = sums.data() + (m0 + i) * groups;
+            const float* sc = scales.data() + j * groups;
+            VS off = S::zero();
+            long q = 0;
+            for (; q + S::W <= groups; q += S::W) off = S::fma(S::load(sc + q), S::load(gs + q), off);
+            offset = S::hsum(off);
+            for (; q < groups; ++q) offset = std::fma(sc[q], gs[q], offset);
+          }
+          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, S::hsum(acc[i][j]) - bias * offset, g.accumulate);
         }
     }
   }

@@ -36,7 +36,8 @@ struct Simd {
   // float32, without the offset 8: the even-indexed weights in `even`, the odd in `odd`. Half the integer
   // steps per weight of int4_values (a byte widening, a mask or a shift, a conversion per W weights).
   static constexpr bool int4_split = true;
-  static void int4_codes_split(const uint8_t* p, V& even, V& odd) {
+  static constexpr int int4_split_bias = 8;  // the codes come without their offset: the kernel takes it off per row
+  static void int4_split_values(const uint8_t* p, V& even, V& odd) {
     const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     even = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));

@@ -29,12 +29,16 @@ struct Simd {
     lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
-  // As in simd_avx2.h: a group's 16 bytes give its 16 even- and 16 odd-indexed codes.
+  // As in simd_avx2.h, a group's 16 bytes give its 16 even- and 16 odd-indexed weights, here as the signed
+  // values (nibble − 8): a table lookup reads only an index lane's low 4 bits, so one step masks, converts and
+  // takes the offset off (int4_split_bias 0: nothing left to correct per row).
   static constexpr bool int4_split = true;
-  static void int4_codes_split(const uint8_t* p, V& even, V& odd) {
+  static constexpr int int4_split_bias = 0;
+  static void int4_split_values(const uint8_t* p, V& even, V& odd) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    even = _mm512_permutexvar_ps(b, values);
+    odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
   }
   // The W = 16 nibbles of two int32 words, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
