@@ -32,11 +32,11 @@ BF16_GRAD = 4e-3
 # BF16 pairs (vdpbf16ps, or the tile unit). One rounding has RMS relative error 2^-9/sqrt(3) = 1.1e-3 and a
 # dot product of such terms keeps about that relative error. Outputs see two roundings in sequence (x, then
 # h): ~1.6e-3; gradients reuse the saved g, u and add their own products, and silu' can amplify an input
-# error up to ~1.1x. On amx, FP8/INT4 weights are also rounded to BF16 once decoded (weight × scale to the
-# nearest BF16: one more rounding of the same size per product), and the LoRA products of experts on tiles take
-# BF16 operands (A, B, and the rank-space rows z = x·Aᵀ, wz = dy·B rounded once each, as stock PEFT's products
-# under bf16 autocast): one or two more roundings of that size in the LoRA terms and grads. 1e-2 leaves a
-# 3-5x margin.
+# error up to ~1.1x. On the tile products (amx, avx512_bf16), FP8/INT4 weights are also rounded to BF16 once
+# decoded (weight × scale to the nearest BF16: one more rounding of the same size per product), and the LoRA
+# products of experts on tiles take BF16 operands (A, B, and the rank-space rows z = x·Aᵀ, wz = dy·B rounded once
+# each, as stock PEFT's products under bf16 autocast): one or two more roundings of that size in the LoRA terms
+# and grads. 1e-2 leaves a 3-5x margin.
 BF16_DOT = 1e-2
 
 
@@ -47,8 +47,8 @@ def for_kernels(kernels: str, bound: float, bf16_activations: bool) -> float:
 
 # dw[t, k] = <p, h> of one routed row is a dot product over I whose terms cancel: its relative error is its
 # terms' error times Σ|p·h| / |Σ p·h|, about sqrt(I) for random signs and more for an unlucky row, and with a
-# handful of rows nothing averages it out. On amx, FP8/INT4 weights rounded to BF16 put one rounding into p and
-# h each. That rounding alone (the float64 reference rerun on the dequantized weights rounded to BF16, which
+# handful of rows nothing averages it out. On the tile products, FP8/INT4 weights rounded to BF16 put one
+# rounding into p and h each. That rounding alone (the float64 reference rerun on the dequantized weights rounded to BF16, which
 # test_quantized_parity repeats), at T=3, I=64 (its experts_without_tokens shape), INT4: over 40 case seeds
 # median 2.8e-3, max 2.4e-2 (seed 0, the test's own); over 40 LoRA A draws with seed 0's weights median 8.8e-3,
 # max 1.8e-2. So BF16_DOT's 1e-2 failed 9 of 37 runs of the GPU machine's tile tests while LoRA A came from the
@@ -57,10 +57,10 @@ BF16_DOT_DW = 5e-2
 
 
 def for_quantized_kernels(kernels: str, bound: float, bf16_activations: bool):
-    """for_kernels' bound for FP8/INT4 weights; on amx with BF16 activations dw gets BF16_DOT_DW (a dict of
-    bounds by output name, "*" for the rest)."""
+    """for_kernels' bound for FP8/INT4 weights; on the tile products (amx, avx512_bf16) with BF16 activations
+    dw gets BF16_DOT_DW (a dict of bounds by output name, "*" for the rest)."""
     b = for_kernels(kernels, bound, bf16_activations)
-    return {"*": b, "dw": BF16_DOT_DW} if kernels == "amx" and bf16_activations else b
+    return {"*": b, "dw": BF16_DOT_DW} if kernels in ("amx", "avx512_bf16") and bf16_activations else b
 
 
 def rel_l2(a, ref) -> float:

@@ -168,13 +168,24 @@ PYBIND11_MODULE(_C, m) {
     } catch (const std::exception&) {
       d["kernels"] = py::none();
     }
-    const std::string why_not = tiles_status();
-    d["tiles"] = why_not.empty() ? "available (kernel set amx), used for BF16 activations of experts with at least " +
-                                       std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call " +
-                                       "(inference: " + std::to_string(rt.tile_rows_for(false, true)) +
-                                       " for BF16 weights, " + std::to_string(rt.tile_rows_for(false, false)) +
-                                       " for FP8/INT4)"
-                                 : why_not;
+    std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
+    const KernelSet* ks = nullptr;
+    try {
+      ks = &rt.kernels();
+    } catch (const std::exception&) {
+    }
+    if (ks && ks->tiles) {
+      const std::string use = "used for BF16 activations of experts with at least " +
+                              std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call (inference: " +
+                              std::to_string(rt.tile_rows_for(false, true)) + " for BF16 weights, " +
+                              std::to_string(rt.tile_rows_for(false, false)) + " for FP8/INT4)";
+      tiles = ks->tiles->emulated ? "tile products on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +
+                                        (tiles.empty() ? "" : "; " + tiles) + "), " + use
+                                  : "available (kernel set amx), " + use;
+    } else if (tiles.empty()) {
+      tiles = "available (kernel set amx), not in use";
+    }
+    d["tiles"] = tiles;
     d["tile_min_rows"] = rt.tile_min_rows();
     d["threads"] = rt.threads();
     d["pinned"] = rt.pool().pinned();

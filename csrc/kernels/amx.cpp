@@ -56,7 +56,7 @@ namespace kt {
 const KernelSet& kernels_amx() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("amx");
-    s.tiles = &tile_kernels<AmxTiles>();
+    s.tiles = &tile_kernels<AmxTiles>(false);
     return s;
   }();
   return set;

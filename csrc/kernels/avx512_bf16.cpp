@@ -1,10 +1,14 @@
-// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus a dot-form
-// product with BF16 weights for BF16 activations (the forward projections of a BF16 model), which rounds
-// the activations to BF16 once per row block and multiplies BF16 pairs straight from the weight rows: 32
-// multiply-adds per instruction and no widening of the weights. x is exact in BF16 already; h = silu(g)·u
-// is rounded as the model's own dtype would (tests/tolerances.py: BF16_DOT).
+// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus for BF16
+// activations (a BF16 model's) the tile products of tile_body.h with the tile unit's operations run on
+// vdpbf16ps (Bf16Tiles below), forward, backward and LoRA as the amx set runs them, and for experts with too
+// few rows for a tile a dot-form product that rounds the activations to BF16 once per row block and
+// multiplies BF16 pairs straight from the weight rows. x is exact in BF16 already; h = silu(g)·u is rounded
+// as the model's own dtype would (tests/tolerances.py: BF16_DOT).
+#include <cstring>
+
 #include "simd_avx512.h"
 #include "kernel_body.h"
+#include "tile_body.h"
 
 namespace {
 
@@ -53,6 +57,62 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
   }
 }
 
+// The tile unit's operations (tile_body.h's `Tiles` policy) on vdpbf16ps, for CPUs with AVX-512 BF16 and no
+// AMX: the four 16×16 float32 accumulators live in memory (4 KB, in L1), load_* only note where an operand
+// is, and a tile product runs row by row: each A row's 16 BF16 pairs broadcast against B's 16 pair-rows held
+// in registers, 16 products per instruction as the tile unit forms them (pairs summed in float32).
+struct Bf16Tiles {
+  struct State {
+    alignas(64) float acc[4][TR * TR];
+    const char* a[2];
+    const char* b[2];
+    long a_stride[2], b_stride[2];
+  };
+  static State& state() {
+    thread_local State s;
+    return s;
+  }
+  static void begin() {}
+  static void zero_acc() { std::memset(state().acc, 0, sizeof(state().acc)); }
+  static void load_a0(const void* p, long stride) { load(state().a[0], state().a_stride[0], p, stride); }
+  static void load_a1(const void* p, long stride) { load(state().a[1], state().a_stride[1], p, stride); }
+  static void load_b0(const void* p, long stride) { load(state().b[0], state().b_stride[0], p, stride); }
+  static void load_b1(const void* p, long stride) { load(state().b[1], state().b_stride[1], p, stride); }
+  static void dp00() { dp(0, 0, 0); }
+  static void dp01() { dp(1, 0, 1); }
+  static void dp10() { dp(2, 1, 0); }
+  static void dp11() { dp(3, 1, 1); }
+  static void store_acc(int q, void* p, long stride) {
+    for (int r = 0; r < TR; ++r)
+      _mm512_storeu_ps(static_cast<char*>(p) + r * stride, _mm512_load_ps(state().acc[q] + r * TR));
+  }
+
+ private:
+  static void load(const char*& at, long& at_stride, const void* p, long stride) {
+    at = static_cast<const char*>(p);
+    at_stride = stride;
+  }
+  // acc[q] += A_i · B_j: row r of the result gathers A's row r pair by pair against B's pair-rows, RB rows at
+  // a time so that RB independent sums hide the instruction's latency.
+  static constexpr int RB = 8;
+  static void dp(int q, int i, int j) {
+    State& s = state();
+    __m512bh b[TR];
+    for (int p = 0; p < TR; ++p) b[p] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(s.b[j] + p * s.b_stride[j]));
+    for (int r0 = 0; r0 < TR; r0 += RB) {
+      __m512 v[RB];
+      for (int r = 0; r < RB; ++r) v[r] = _mm512_load_ps(s.acc[q] + (r0 + r) * TR);
+      for (int p = 0; p < TR; ++p)
+        for (int r = 0; r < RB; ++r) {
+          int pair;
+          std::memcpy(&pair, s.a[i] + (r0 + r) * s.a_stride[i] + 4 * p, 4);
+          v[r] = _mm512_dpbf16_ps(v[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), b[p]);
+        }
+      for (int r = 0; r < RB; ++r) _mm512_store_ps(s.acc[q] + (r0 + r) * TR, v[r]);
+    }
+  }
+};
+
 }  // namespace
 
 namespace kt {
@@ -60,6 +120,7 @@ const KernelSet& kernels_avx512_bf16() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("avx512_bf16");
     s.gemm_nt_bf16_act = gemm_nt_bf16_dot;
+    s.tiles = &tile_kernels<Bf16Tiles>(true);
     return s;
   }();
   return set;

@@ -37,16 +37,15 @@ std::string tiles_status() {
   return "";
 }
 
-// In order of preference: the first is the default. amx is avx512 plus tile products. avx512 comes before
-// avx512_bf16: on the Xeon (Sapphire Rapids class) of BENCHMARKS.md the vdpbf16ps forward did no better than
-// float32 FMAs on widened tiles at layer S and was 1.25x slower at layer Q (BF16 forward 246 vs 196 ms, commit
-// d862711), so it is opt-in.
+// In order of preference: the first is the default. amx is avx512 plus tile products; avx512_bf16 is avx512
+// plus the same tile products on vdpbf16ps, which on an AVX-512 BF16 CPU without AMX (AMD Zen 4) ran Layer Q
+// training ~1.3x faster than avx512's float32 FMAs (BENCHMARKS.md).
 std::vector<std::string> runnable_kernel_sets() {
   CpuFeatures f = cpu_features();
   std::vector<std::string> r;
   if (tiles_granted()) r.push_back("amx");
-  if (f.avx512) r.push_back("avx512");
   if (f.avx512_bf16) r.push_back("avx512_bf16");
+  if (f.avx512) r.push_back("avx512");
   if (f.avx2_fma) r.push_back("avx2");
   r.push_back("reference");
   return r;

@@ -153,6 +153,9 @@ struct TileKernels {
   void (*nn_int4)(const TileNN<int4_group>&);
   void (*nt_f32)(const TileNT<float>&);
   void (*nn_f32)(const TileNN<float>&);
+  // The tile operations run on vdpbf16ps (avx512_bf16, no AMX): a product then pays only for rows that fill
+  // most of a 16-lane vector, and one or two rows per expert (decode) keep the dot-form kernels.
+  bool emulated;
 };
 
 struct KernelSet {
@@ -181,7 +184,7 @@ struct KernelSet {
   float (*dot)(long n, const float* a, const float* b);
   // LoRA dropout of one row (moe/lora_dropout.h): dst[j] (+)= src[j] · keep(row_key, c0 + j) / (1 − p).
   void (*lora_dropout)(uint32_t row_key, long c0, long n, float p, const float* src, float* dst, bool accumulate);
-  // Null where the CPU has no tile unit.
+  // Null where the set has no tile products (amx: the tile unit; avx512_bf16: its operations on vdpbf16ps).
   const TileKernels* tiles;
 };
 

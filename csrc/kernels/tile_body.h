@@ -1,5 +1,6 @@
 // The tile-unit products of kernels.h (TileKernels), written once on a `Tiles` policy: amx.cpp passes the
-// AMX instructions. Packing and stores use AVX-512 (BW, BF16), which every CPU with tiles has. Include
+// AMX instructions, avx512_bf16.cpp the same operations on vdpbf16ps. Packing and stores use AVX-512 (BW,
+// BF16), which every CPU with either has. Include
 // after simd_avx512.h and kernel_body.h (widen_row decodes weight rows).
 //
 // Tiles: four accumulators hold a 2×2 block of 16×16 float32 results (acc q = block (q/2, q%2)), a0/a1 the
@@ -403,7 +404,7 @@ void tile_nn(const TileNN<TB>& g) {
 }
 
 template <class Tiles>
-const kt::TileKernels& tile_kernels() {
+const kt::TileKernels& tile_kernels(bool emulated) {
   static const kt::TileKernels t{pack_nt,
                                  pack_nn,
                                  tile_nt<Tiles, bf16>,
@@ -413,7 +414,8 @@ const kt::TileKernels& tile_kernels() {
                                  tile_nn<Tiles, fp8_block>,
                                  tile_nn<Tiles, int4_group>,
                                  tile_nt<Tiles, float>,
-                                 tile_nn<Tiles, float>};
+                                 tile_nn<Tiles, float>,
+                                 emulated};
   return t;
 }
 

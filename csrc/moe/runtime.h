@@ -50,11 +50,13 @@ class Runtime {
   int threads() const { return pool_->size(); }
   int tile_min_rows() const { return tile_min_rows_; }
   // The rows from which an expert takes the tiles in a call: tile_min_rows in training. An inference forward
-  // packs no weights: BF16 rows load in place, so tiles pay from a quarter of it; FP8/INT4 rows are decoded
-  // and rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice it.
+  // packs no weights: on AMX, BF16 rows load in place, so tiles pay from a quarter of it; FP8/INT4 rows are
+  // decoded and rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice it,
+  // as the dot-form kernels beat emulated tiles (16-lane products) there for BF16 rows too.
   int tile_rows_for(bool training, bool bf16_weights) const {
     if (training) return tile_min_rows_;
-    return bf16_weights ? std::max(1, tile_min_rows_ / 4) : 2 * tile_min_rows_;
+    const TileKernels* t = kernels().tiles;
+    return bf16_weights && !(t && t->emulated) ? std::max(1, tile_min_rows_ / 4) : 2 * tile_min_rows_;
   }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }

@@ -94,7 +94,7 @@ def test_lora_grads_of_some_projections(kernels, case):
 @pytest.mark.parametrize("case", ["up_and_down_only", "gate_A_frozen", "down_B_frozen"])
 def test_lora_grads_of_some_projections_on_tiles(tiles, case):
     got, ref, shape = some_projections_case(case, torch.bfloat16)
-    check(got, ref, for_kernels("amx", BF16_IO, bf16_activations=True), shape)
+    check(got, ref, for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
 @pytest.mark.parametrize("shape", SHAPES[:6], ids=lambda s: s.name)
@@ -123,13 +123,18 @@ def test_bf16_activations(kernels, shape):
     check(got, run_reference(m, x, idx, w, g), for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
 
 
-@pytest.fixture(params=[1, 8], ids=["every_expert_on_tiles", "experts_with_8_rows_on_tiles"])
+TILE_KERNELS = ["amx", "avx512_bf16"]  # the tile unit, and its operations on vdpbf16ps
+
+
+@pytest.fixture(params=[(k, rows) for k in TILE_KERNELS for rows in (1, 8)],
+                ids=lambda p: f"{p[0]}-" + ("every_expert_on_tiles" if p[1] == 1 else "experts_with_8_rows_on_tiles"))
 def tiles(request):
-    """The amx kernel set with experts of at least `param` rows in a call on the tile kernels."""
-    if "amx" not in RUNNABLE:
-        pytest.skip(f"the tile kernels cannot run here ({kt_sft.capabilities()['tiles']})")
-    kt_sft.configure(kernels="amx", tile_min_rows=request.param)
-    yield request.param
+    """A kernel set with tile products, experts of at least `rows` rows in a call on them; yields its name."""
+    name, rows = request.param
+    if name not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {name} kernels ({kt_sft.capabilities()['tiles']})")
+    kt_sft.configure(kernels=name, tile_min_rows=rows)
+    yield name
     kt_sft.configure(kernels="", tile_min_rows=0)
 
 
@@ -146,7 +151,7 @@ def test_bf16_activations_on_tiles(tiles, shape):
     m = make_module(shape, lora=True)
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_kernels("amx", BF16_IO, bf16_activations=True), shape)
+          for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
 def test_base_grads_accumulate_across_micro_batches(kernels):
@@ -206,7 +211,7 @@ def test_lora_grads_accumulate_on_tiles(tiles):
     refs = [run_reference(m, *b) for b in batches]
     for x, idx, w, g in batches:
         m(x, idx, w).backward(g)
-    bound = for_kernels("amx", BF16_IO, bf16_activations=True)
+    bound = for_kernels(tiles, BF16_IO, bf16_activations=True)
     for name, params in (("dA", m.lora_A["default"]), ("dB", m.lora_B["default"])):
         for p, t in params.items():
             assert rel_l2(t.grad, refs[0][f"{name}_{p}"] + refs[1][f"{name}_{p}"]) <= bound, f"{name}_{p}"

@@ -60,7 +60,7 @@ def test_dropout_parity_on_tiles(tiles, shape):
     m.train()
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got, seed = seeded_run(m, x, idx, w, g)
-    check(got, reference_with_dropout(m, x, idx, w, g, 0.25, seed), for_kernels("amx", BF16_IO, True), shape)
+    check(got, reference_with_dropout(m, x, idx, w, g, 0.25, seed), for_kernels(tiles, BF16_IO, True), shape)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[4]], ids=lambda s: s.name)

@@ -65,7 +65,7 @@ def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
     m = make_module(shape, lora=True, expert_format=fmt)
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_quantized_kernels("amx", BF16_IO, bf16_activations=True), shape)
+          for_quantized_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
