@@ -40,7 +40,7 @@ def doctor(_args) -> int:
     caps = capabilities()
     print(f"CPU features     : {', '.join(k for k, v in caps['cpu'].items() if v) or 'none of AVX2/AVX-512/AMX'}")
     print(f"kernel sets      : {', '.join(caps['runnable_kernels'])} (in use: {caps['kernels']})")
-    print(f"AMX tiles        : {caps['tiles']}")
+    print(f"tile products    : {caps['tiles']}")
     print(f"engine threads   : {caps['threads']} (pinned: {caps['pinned']})")
     room = host_headroom()
     print("memory           : " + (f"{room[1] / 2**30:.1f} GiB, {room[0] / 2**30:.1f} GiB of it available to this "
