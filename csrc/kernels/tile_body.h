@@ -139,15 +139,15 @@ inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
 }
 
 // Row i of B, columns [col0, col0 + len), as BF16 into dst: for BF16 weights the row itself (nothing
-// copied), for float32 rows (LoRA) rounded to the nearest even BF16, for quantized ones decoded and rounded
-// once (a weight × its block or group scale, in float32, to the nearest BF16): 32 at a time straight to BF16,
-// the edges of a block or group through float32.
+// copied), for float32 rows (LoRA) times `scale` rounded to the nearest even BF16, for quantized ones decoded
+// and rounded once (a weight × its block or group scale, in float32, to the nearest BF16): 32 at a time
+// straight to BF16, the edges of a block or group through float32. `scale` applies to float32 rows only.
 template <class TB>
-const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst) {
+const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* dst, float scale = 1.f) {
   if constexpr (std::is_same_v<TB, bf16>) {
     return b.at(i) + col0;
   } else if constexpr (std::is_same_v<TB, float>) {
-    round_to_bf16(len, b.at(i) + col0, dst);
+    round_to_bf16(len, b.at(i) + col0, dst, scale);
     return dst;
   } else {
     const auto cur = cursor<Simd>(b, i);
@@ -347,25 +347,15 @@ void tile_nn(const TileNN<TB>& g) {
   // columns. The rows lie a page or more apart, out of the hardware prefetchers' reach: the rows two reduction
   // blocks ahead are requested into L2 while this one is packed (at the DeepSeek-V3 layer, T = 4096, backward
   // ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none: slower at both).
-  auto pack_weights = [&](const kt::Rows<TB>& b, int K, int kc, long k0) {
+  // The same for a float32 segment (f32: LoRA A rows), each row times the segment's scale.
+  auto pack_weights = [&](const auto& b, int K, int kc, long k0, float scale) {
     for (long k = k0; k < k0 + TC; k += 2) {
-      if constexpr (std::is_same_v<TB, bf16>)
+      if constexpr (std::is_same_v<std::decay_t<decltype(b)>, kt::Rows<bf16>>)
         for (long row = k + 2 * TC; row < std::min<long>(k + 2 * TC + 2, K); ++row)
           for (long c = 0; c < g.N; c += TC)
             _mm_prefetch(reinterpret_cast<const char*>(b.at(row) + g.b_off + c), _MM_HINT_T1);
-      pack_pair(kc, k, k < K ? row_bf16(b, k, g.b_off, g.N, decoded.data()) : nullptr,
-                k + 1 < K ? row_bf16(b, k + 1, g.b_off, g.N, decoded.data() + np) : nullptr);
-    }
-  };
-  auto pack_f32 = [&](const typename TileNN<TB>::F32& f, int kc, long k0) {
-    for (long k = k0; k < k0 + TC; k += 2) {
-      bf16* r[2] = {};
-      for (int h = 0; h < 2; ++h)
-        if (k + h < f.K) {
-          r[h] = decoded.data() + h * np;
-          round_to_bf16(g.N, f.b.at(k + h) + g.b_off, r[h], f.scale);
-        }
-      pack_pair(kc, k, r[0], r[1]);
+      pack_pair(kc, k, k < K ? row_bf16(b, k, g.b_off, g.N, decoded.data(), scale) : nullptr,
+                k + 1 < K ? row_bf16(b, k + 1, g.b_off, g.N, decoded.data() + np, scale) : nullptr);
     }
   };
   // Reduction block c0 + kc of every block column at once, when the first block column asks for it.
@@ -374,11 +364,13 @@ void tile_nn(const TileNN<TB>& g) {
     const Segment& s = segment_of(c0 + kc);
     const long k0 = long(c0 + kc - s.kc0) * TC;
     if (s.source == 0)
-      pack_weights(g.b, g.K, kc, k0);
+      pack_weights(g.b, g.K, kc, k0, 1.f);
     else if (s.source == 1)
-      pack_weights(g.second.b, g.second.K, kc, k0);
-    else
-      pack_f32(g.f32[s.source - 2], kc, k0);
+      pack_weights(g.second.b, g.second.K, kc, k0, 1.f);
+    else {
+      const auto& f = g.f32[s.source - 2];
+      pack_weights(f.b, f.K, kc, k0, f.scale);
+    }
   };
   // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over the
   // steps of all its chunks.

@@ -202,6 +202,19 @@ def test_lora_grads_across_steps_and_micro_batches(kernels):
         assert rel_l2(B[p].grad, refs[0][f"dB_{p}"]) <= FP32_IO
 
 
+def test_lora_dominated_on_tiles(tiles):
+    """LoRA B twenty times the usual draw, so the LoRA terms outweigh the base weights' in every output: a wrong
+    scale or a lost segment of a fused tile product (dx sums Wg, Wu and s·Ag, s·Au in one panel) shows."""
+    shape = SHAPES[0]
+    m = make_module(shape, lora=True)
+    with torch.no_grad():
+        for p in m.lora_B["default"].values():
+            p.mul_(20)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
+
+
 def test_lora_grads_accumulate_on_tiles(tiles):
     """On tiles, LoRA A grads are added by the tile products' stores and B grads through their transpose: two
     BF16 micro-batches give the sum of their grads."""
