@@ -840,13 +840,15 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(I, nn_width(tp, e, H)); ++b) items.push_back({0, e, b});
-  // The weight panel of an item (rows of projection p, its block of columns), to request while the thread's
-  // current product runs: only where this panel and the next fit together in kPanelBytes (at Layer Q the dx
-  // panels, K = I; dout·W_down's, K = H, got slower requested, or narrowed to fit, on the GPU machine).
-  auto panel_of = [&](long it, int p, long out, long K) {
+  // The weight panel of an item (K rows from projection p's first, its block of columns), to request while the
+  // thread's current product runs: only where `fit` such panels fit together in kPanelBytes, this one and the
+  // next (at Layer Q the dx panels, K = I; dout·W_down's, K = H, got slower requested, or narrowed to fit, on the
+  // GPU machine). The fused dx's gate and up panels (adjacent rows of gate_up_proj, K = 2I) are asked for with
+  // fit 1: Layer Q's 256-column items (2 × 768 KB) measured no slower than 128-column items that fit twice.
+  auto panel_of = [&](long it, int p, long out, long K, int fit) {
     const int e = items[it].e, width = nn_width(tp, e, K);
     const long c0 = long(items[it].block) * width;
-    if (2 * K * width * 2 > kPanelBytes) return Upcoming{};
+    if (fit * K * width * 2 > kPanelBytes) return Upcoming{};
     return upcoming(e, p, 0, K, c0, std::min<long>(width, out - c0));
   };
   rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
@@ -857,7 +859,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     with_rows(e, DOWN, 0, [&](const auto& rows) {
       if (tp.on(e))
         run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at(DT, e, H), rows, i0, c, I, false,
-                                 next_it >= 0 ? panel_of(next_it, DOWN, I, H) : Upcoming{}));
+                                 next_it >= 0 ? panel_of(next_it, DOWN, I, H, 2) : Upcoming{}));
       else
         run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
@@ -925,22 +927,13 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for (int e = 0; e < E_; ++e)
     if (rows_of(sv, e))
       for (int b = 0; b < ceil_div(H, dx_width(e)); ++b) items.push_back({0, e, b});
-  // The next item's gate and up panels (adjacent rows of gate_up_proj), where they fit kPanelBytes. Unlike
-  // panel_of's, the two panels together may not (Layer Q's 256-column items: 2 × 768 KB): measured there no slower
-  // than 128-column items whose panels fit together.
-  auto gate_up_panels = [&](long it) {
-    const int e = items[it].e, width = dx_width(e);
-    const long c0 = long(items[it].block) * width;
-    if (2 * I * width * 2 > kPanelBytes) return Upcoming{};
-    return upcoming(e, GATE, 0, 2 * I, c0, std::min<long>(width, H - c0));
-  };
   rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int ith) {
     const int e = items[it].e, n = rows_of(sv, e), width = dx_width(e);
     const long h0 = long(items[it].block) * width;
     const int hb = int(std::min<long>(width, H - h0));
     float* c = dXs + sv.offset[e] * H + h0;
     if (fuse_dx && tp.on(e)) {
-      const Upcoming next = next_it >= 0 ? gate_up_panels(next_it) : Upcoming{};
+      const Upcoming next = next_it >= 0 ? panel_of(next_it, GATE, H, 2 * I, 1) : Upcoming{};
       with_rows(e, GATE, 0, [&](const auto& gate) {
         with_rows(e, UP, 0, [&](const auto& up) {
           // One format per expert: the rows are always of one type (the check only prunes instantiations).
@@ -959,8 +952,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const bf16* dgu_t[2] = {GT, UT};
     for (int p = GATE; p <= UP; ++p) {
       // Gate's panel, then up's of the same columns, then the next item's gate panel.
-      const Upcoming next = p == GATE     ? panel_of(it, UP, H, I)
-                            : next_it >= 0 ? panel_of(next_it, GATE, H, I)
+      const Upcoming next = p == GATE     ? panel_of(it, UP, H, I, 2)
+                            : next_it >= 0 ? panel_of(next_it, GATE, H, I, 2)
                                            : Upcoming{};
       with_rows(e, p, 0, [&](const auto& rows) {
         if (tp.on(e))
