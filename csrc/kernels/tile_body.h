@@ -347,10 +347,33 @@ void tile_nn(const TileNN<TB>& g) {
   // columns. The rows lie a page or more apart, out of the hardware prefetchers' reach: the rows two reduction
   // blocks ahead are requested into L2 while this one is packed (at the DeepSeek-V3 layer, T = 4096, backward
   // ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none: slower at both).
+  // Quantized rows k, k + 1 whose segment is whole 32-column steps (each inside one block or group): decoded
+  // 32 columns at a time straight into registers and interleaved there, two permutes per 32 columns of the pair
+  // instead of a round trip through `decoded` and pack_pair's loads.
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
+                                           5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+  auto pack_decoded_pair = [&](const auto& b, int K, int kc, long k) {
+    bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
+    const auto r0 = cursor<Simd>(b, std::min<long>(k, K - 1)), r1 = cursor<Simd>(b, std::min<long>(k + 1, K - 1));
+    for (long c = 0; c < g.N; c += TC, dst += 2L * ch * TBLK) {
+      const __m512i w0 = k < K ? bf16x32(r0, g.b_off + c) : _mm512_setzero_si512();
+      const __m512i w1 = k + 1 < K ? bf16x32(r1, g.b_off + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(w0, pair_lo, w1));
+      _mm512_storeu_si512(dst + long(ch) * TBLK, _mm512_permutex2var_epi16(w0, pair_hi, w1));
+    }
+  };
   // The same for a float32 segment (f32: LoRA A rows), each row times the segment's scale.
   auto pack_weights = [&](const auto& b, int K, int kc, long k0, float scale) {
+    using RowsOf = std::decay_t<decltype(b)>;
+    constexpr bool quantized = std::is_same_v<RowsOf, kt::Rows<fp8_block>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>;
     for (long k = k0; k < k0 + TC; k += 2) {
-      if constexpr (std::is_same_v<std::decay_t<decltype(b)>, kt::Rows<bf16>>)
+      if constexpr (quantized)
+        if (g.b_off % TC == 0 && g.N % TC == 0) {
+          pack_decoded_pair(b, K, kc, k);
+          continue;
+        }
+      if constexpr (std::is_same_v<RowsOf, kt::Rows<bf16>>)
         for (long row = k + 2 * TC; row < std::min<long>(k + 2 * TC + 2, K); ++row)
           for (long c = 0; c < g.N; c += TC)
             _mm_prefetch(reinterpret_cast<const char*>(b.at(row) + g.b_off + c), _MM_HINT_T1);
