@@ -154,7 +154,7 @@ struct TileKernels {
   void (*nt_f32)(const TileNT<float>&);
   void (*nn_f32)(const TileNN<float>&);
   // The tile operations run on vdpbf16ps (avx512_bf16, no AMX): a product then pays only for rows that fill
-  // most of a 16-lane vector, and one or two rows per expert (decode) keep the dot-form kernels.
+  // much of a 16-lane vector, so inference keeps the other kernels for fewer rows (Runtime::tile_rows_for).
   bool emulated;
 };
 

@@ -1,7 +1,7 @@
 // The tile-unit products of kernels.h (TileKernels), written once on a `Tiles` policy: amx.cpp passes the
 // AMX instructions, avx512_bf16.cpp the same operations on vdpbf16ps. Packing and stores use AVX-512 (BW,
-// BF16), which every CPU with either has. Include
-// after simd_avx512.h and kernel_body.h (widen_row decodes weight rows).
+// BF16), which every CPU with either has. Include after simd_avx512.h and kernel_body.h (widen_row decodes
+// weight rows).
 //
 // Tiles: four accumulators hold a 2×2 block of 16×16 float32 results (acc q = block (q/2, q%2)), a0/a1 the
 // A operands of its two block rows (16 rows × 32 BF16), b0/b1 the B operands of its two block columns (16
@@ -343,15 +343,12 @@ void tile_nn(const TileNN<TB>& g) {
       _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
     }
   };
-  // Rows of a weight segment: each row is read (or decoded) once per item as one contiguous segment of N
-  // columns. The rows lie a page or more apart, out of the hardware prefetchers' reach: the rows two reduction
-  // blocks ahead are requested into L2 while this one is packed (at the DeepSeek-V3 layer, T = 4096, backward
-  // ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none: slower at both).
   // Quantized rows k, k + 1 whose segment is whole 32-column steps (each inside one block or group): decoded
   // 32 columns at a time straight into registers and interleaved there, two permutes per 32 columns of the pair
-  // instead of a round trip through `decoded` and pack_pair's loads.
-  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37,
-                                           5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  // instead of a round trip through `decoded` and pack_pair's loads. pair_lo's element i: i / 2 of row k for
+  // even i, of row k + 1 (index 32 +) for odd i; pair_hi the same 16 columns on.
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
   auto pack_decoded_pair = [&](const auto& b, int K, int kc, long k) {
     bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
@@ -363,10 +360,15 @@ void tile_nn(const TileNN<TB>& g) {
       _mm512_storeu_si512(dst + long(ch) * TBLK, _mm512_permutex2var_epi16(w0, pair_hi, w1));
     }
   };
-  // The same for a float32 segment (f32: LoRA A rows), each row times the segment's scale.
+  // Rows of a segment, a reduction block of them: each row is read (or decoded) once per item as one contiguous
+  // segment of N columns; float32 rows (f32: LoRA A) times the segment's scale. The rows lie a page or more
+  // apart, out of the hardware prefetchers' reach: BF16 rows two reduction blocks ahead are requested into L2
+  // while this one is packed (at the DeepSeek-V3 layer, T = 4096, backward ~10% faster than requesting the next
+  // block's into L1, which was as fast at Layer Q; none: slower at both).
   auto pack_weights = [&](const auto& b, int K, int kc, long k0, float scale) {
     using RowsOf = std::decay_t<decltype(b)>;
-    constexpr bool quantized = std::is_same_v<RowsOf, kt::Rows<fp8_block>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>;
+    constexpr bool quantized =
+        std::is_same_v<RowsOf, kt::Rows<fp8_block>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>;
     for (long k = k0; k < k0 + TC; k += 2) {
       if constexpr (quantized)
         if (g.b_off % TC == 0 && g.N % TC == 0) {
