@@ -179,9 +179,11 @@ PYBIND11_MODULE(_C, m) {
                               std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call (inference: " +
                               std::to_string(rt.tile_rows_for(false, true)) + " for BF16 weights, " +
                               std::to_string(rt.tile_rows_for(false, false)) + " for FP8/INT4)";
-      tiles = ks->tiles->emulated ? "tile products on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +
-                                        (tiles.empty() ? "" : "; " + tiles) + "), " + use
-                                  : "available (kernel set amx), " + use;
+      const std::string why_no_amx = tiles.empty() ? "" : "; " + tiles;
+      tiles = ks->tiles->emulated
+                  ? "the tile unit's operations on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +
+                        why_no_amx + "), " + use
+                  : "available (kernel set amx), " + use;
     } else if (tiles.empty()) {
       tiles = "available (kernel set amx), not in use";
     }

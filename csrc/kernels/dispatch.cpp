@@ -33,7 +33,7 @@ std::string tiles_status() {
   if (!cpu_features().amx_bf16) return "this CPU has no AMX-BF16 tile unit";
   if (!tiles_granted())
     return "the OS refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM; Linux 5.16 or later grants it): "
-           "running the AVX-512 kernels instead";
+           "running the next kernel set instead";
   return "";
 }
 
