@@ -314,13 +314,15 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
     const float* x = g.a.at(i);
     float* d = xs.data() + long(i) * g.K;
     for (long q = 0; q < g.K; q += G) {
-      float sum = 0.f;
       for (int t = 0; t < G / 2; ++t) {
         d[q + t] = x[q + 2 * t];
         d[q + G / 2 + t] = x[q + 2 * t + 1];
-        sum += x[q + 2 * t] + x[q + 2 * t + 1];
       }
-      if constexpr (bias != 0) sums[long(i) * groups + q / G] = sum;
+      if constexpr (bias != 0) {
+        float sum = 0.f;
+        for (int t = 0; t < G / 2; ++t) sum += x[q + 2 * t] + x[q + 2 * t + 1];
+        sums[long(i) * groups + q / G] = sum;
+      }
     }
   }
   for (int n0 = 0; n0 < g.N; n0 += NR) {

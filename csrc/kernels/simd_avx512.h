@@ -30,24 +30,25 @@ struct Simd {
     hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
   }
   // As in simd_avx2.h, a group's 16 bytes give its 16 even- and 16 odd-indexed weights, here as the signed
-  // values (nibble − 8): a table lookup reads only an index lane's low 4 bits, so one step masks, converts and
-  // takes the offset off (int4_split_bias 0: nothing left to correct per row).
+  // values (nibble − 8, int4_signed below): one step masks, converts and takes the offset off (int4_split_bias
+  // 0: nothing left to correct per row).
   static constexpr bool int4_split = true;
   static constexpr int int4_split_bias = 0;
   static void int4_split_values(const uint8_t* p, V& even, V& odd) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    even = _mm512_permutexvar_ps(b, values);
-    odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
+    even = int4_signed(b);
+    odd = int4_signed(_mm512_srli_epi32(b, 4));
   }
   // The W = 16 nibbles of two int32 words, lowest first, as the signed INT4 values (nibble − 8) in float32.
   static V int4_values(const uint32_t* p) {
     __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32(int(p[0]))), _mm256_set1_epi32(int(p[1])), 1);
     const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    // A table lookup reads only the low 4 bits of each index lane, the nibble itself: it masks, subtracts 8
-    // and converts in one step.
-    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm512_permutexvar_ps(_mm512_srlv_epi32(w, shifts), values);
+    return int4_signed(_mm512_srlv_epi32(w, shifts));
+  }
+  // The low 4 bits (a nibble) of each lane as the signed INT4 value nibble − 8 in float32: a table lookup reads
+  // only the low 4 bits of each index lane, so it masks, subtracts 8 and converts in one step.
+  static V int4_signed(__m512i nibbles) {
+    return _mm512_permutexvar_ps(nibbles, _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }

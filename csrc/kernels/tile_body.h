@@ -328,30 +328,29 @@ void tile_nn(const TileNN<TB>& g) {
   thread_local std::vector<bf16> panel, decoded;
   panel.resize(np * CH * TC);
   decoded.resize(2 * np);
-  // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns.
-  const __m512i interleave =  // element i: i / 2 from row k for even i, 16 + i / 2 from row k + 1 for odd i
-      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                       18, 2, 17, 1, 16, 0);
-  // Rows k, k + 1 of a segment's B (K rows; null past K) into tile row (k % 32) / 2 of panel slot kc.
+  // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns:
+  // two-source permutes of row k's (first operand) and row k + 1's (second) values, pair_lo's element i taking
+  // column i / 2 of row k for even i and of row k + 1 (index 32 +) for odd i, pair_hi the same 16 columns on.
+  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+  // That tile row of panel slot kc, in block column 0.
+  auto pair_row = [&](int kc, long k) { return panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC; };
+  // Rows k, k + 1 of a segment's B (K rows; null past K) into their tile row of panel slot kc.
   auto pack_pair = [&](int kc, long k, const bf16* r0, const bf16* r1) {
-    bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
+    bf16* dst = pair_row(kc, k);
     for (long n0 = 0; n0 < g.N; n0 += TR, dst += long(ch) * TBLK) {
-      const __mmask16 mask = first16(g.N - n0);
-      const __m256i lo = r0 ? _mm256_maskz_loadu_epi16(mask, r0 + n0) : _mm256_setzero_si256();
-      const __m256i hi = r1 ? _mm256_maskz_loadu_epi16(mask, r1 + n0) : _mm256_setzero_si256();
-      const __m512i pair = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, pair));
+      const __mmask32 mask = first16(g.N - n0);
+      const __m512i lo = r0 ? _mm512_maskz_loadu_epi16(mask, r0 + n0) : _mm512_setzero_si512();
+      const __m512i hi = r1 ? _mm512_maskz_loadu_epi16(mask, r1 + n0) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(lo, pair_lo, hi));
     }
   };
   // Quantized rows k, k + 1 whose segment is whole 32-column steps (each inside one block or group): decoded
   // 32 columns at a time straight into registers and interleaved there, two permutes per 32 columns of the pair
-  // instead of a round trip through `decoded` and pack_pair's loads. pair_lo's element i: i / 2 of row k for
-  // even i, of row k + 1 (index 32 +) for odd i; pair_hi the same 16 columns on.
-  const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
+  // instead of a round trip through `decoded` and pack_pair's loads.
   auto pack_decoded_pair = [&](const auto& b, int K, int kc, long k) {
-    bf16* dst = panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC;
+    bf16* dst = pair_row(kc, k);
     const auto r0 = cursor<Simd>(b, std::min<long>(k, K - 1)), r1 = cursor<Simd>(b, std::min<long>(k + 1, K - 1));
     for (long c = 0; c < g.N; c += TC, dst += 2L * ch * TBLK) {
       const __m512i w0 = k < K ? bf16x32(r0, g.b_off + c) : _mm512_setzero_si512();
