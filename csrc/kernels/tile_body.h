@@ -297,8 +297,8 @@ void tile_nt(const TileNT<TB>& g) {
 // columns j·16... With more segments (TileNN's `second`, `f32`) their reduction blocks follow B's in the panel.
 // A panel over kPanelBytes is packed and used in chunks of reduction blocks, each chunk's products added into
 // C: wide items then read long contiguous pieces of each weight row whatever the reduction's length. On AMX
-// (Tiles::kBlockChunks) a chunk is one reduction block, whose panel the tile loads then find in L1, at the cost
-// of adding into C after every block. On the GPU test machine the DeepSeek-V3 layer's `dx` took 7-8% less time
+// (Tiles::kBlockChunks) a chunk is one reduction block, a panel of 32-64 KB that the tile loads find in or near
+// L1, at the cost of adding into C after every block. On the GPU test machine the DeepSeek-V3 layer's `dx` took 7-8% less time
 // at T = 4096 (two calls) and 0-15% less at T = 512 (three) than with 1 MB chunks, whose B tiles every product
 // loads from L2; with the weight rows' reads taken out it took no less time (BENCHMARKS.md, thirteenth
 // session). The emulated tiles measured slower that way (Zen 4), so they keep kPanelBytes chunks.
