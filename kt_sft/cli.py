@@ -84,6 +84,19 @@ def export_cmd(args) -> int:
     return 0
 
 
+def merge_cmd(args) -> int:
+    from .integrations.merge import merge_adapter
+
+    report = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir)
+    print(f"merged {report.out_dir}: " + ", ".join(f"{n} {fmt} weights" for fmt, n in report.merged.items()))
+    for fmt in report.merged:
+        err = report.relative_error(fmt)
+        advice = ("; most of the update is below the format's resolution: serve the adapter unmerged instead"
+                  if err > 0.5 else "")
+        print(f"  {fmt}: the merged weights carry the adapter's update with a relative L2 error of {err:.3g}{advice}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -103,6 +116,12 @@ def main(argv=None) -> int:
     x.add_argument("out_dir", help="where to write the per-expert adapter")
     x.add_argument("--model", help="the model directory it was trained on (default: the adapter's base_model_name_or_path)")
     x.set_defaults(fn=export_cmd)
+    g = sub.add_parser("merge", help="write the checkpoint with an adapter merged in, each weight in its published "
+                                     "format (FP8 and INT4 quantized again)")
+    g.add_argument("model_dir", help="the model the adapter was trained on (published checkpoint or prepared directory)")
+    g.add_argument("adapter_dir", help="the saved adapter (training output_dir or a checkpoint)")
+    g.add_argument("out_dir", help="a new directory for the merged checkpoint")
+    g.set_defaults(fn=merge_cmd)
     d = sub.add_parser("demo", help="write a tiny MoE checkpoint, dataset and LLaMA-Factory configs (no downloads)")
     d.add_argument("out_dir")
     d.set_defaults(fn=demo)

@@ -24,7 +24,7 @@ from ..ops.reference import PROJECTIONS
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # A stacked expert LoRA tensor: whatever precedes the layers (PEFT's `base_model.model.`), the layer, the experts
 # module inside it, A or B, and the projection.
-_STACKED = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\."
+STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\."
                       r"(?P<proj>gate|up|down)$")
 
 
@@ -60,7 +60,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
                          "export an adapter trained with one rank and alpha on the experts.")
     out, stacked = {}, 0
     for key, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items():
-        m = _STACKED.match(key)
+        m = STACKED_KEY.match(key)
         if m is None:
             out[key] = t
             continue

@@ -167,8 +167,9 @@ class KTExperts(nn.Module):
         weights are checked before any is written, so a NaN/Inf in the adapter leaves the weights untouched."""
         if self.expert_format != "bf16":
             raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
-                             "adapter separate (kt_sft serves it unmerged), or prepare the model with --expert-format "
-                             "bf16 and merge into its BF16 experts.")
+                             "adapter separate (kt_sft serves it unmerged), write a merged checkpoint in the published "
+                             "format with `kt-sft merge`, or prepare the model with --expert-format bf16 and merge "
+                             "into its BF16 experts.")
         if adapter not in self.lora_A:
             raise ValueError(f"no LoRA adapter {adapter!r} on these experts (have: {sorted(self.lora_A)}).")
         A, B = self.lora_A[adapter], self.lora_B[adapter]

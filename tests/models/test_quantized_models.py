@@ -10,7 +10,7 @@ import transformers
 
 from kt_sft.cli import main
 from kt_sft.peft.layer import KTExpertsLinear
-from quantized_checkpoints import dequantized_copy, quantize_checkpoint
+from quantized_checkpoints import dequantized_copy, kimi_k25_checkpoint, quantize_checkpoint
 from tiny_models import tiny_model
 from tolerances import FP32_IO, rel_l2
 
@@ -123,19 +123,8 @@ def test_missing_scales_are_named(published, tmp_path):
 
 
 def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path):
-    """Kimi-K2.5 as published: top-level model_type kimi_k25, the Kimi-K2 text config nested as text_config, the
-    text model's keys under `language_model.` beside a vision tower, RAWINT4 routed experts."""
-    from safetensors.torch import load_file, save_file
-    src = tmp_path / "k25"
-    quantize_checkpoint(published["bf16"], src, "int4", model_type="kimi_k2")
-    state = {"language_model." + k: v for k, v in load_file(str(src / "model.safetensors")).items()}
-    state["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
-    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    text = json.loads((src / "config.json").read_text())
-    qc = text.pop("quantization_config")
-    composite = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
-                 "vision_config": {"patch_size": 2}, "quantization_config": qc}
-    (src / "config.json").write_text(json.dumps(composite))
+    """Kimi-K2.5 as published (quantized_checkpoints.kimi_k25_checkpoint): its text model is served."""
+    src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
     out = tmp_path / "prepared"
     assert main(["prepare", str(src), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())

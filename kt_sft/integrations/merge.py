@@ -1,0 +1,216 @@
+"""`kt-sft merge <model-dir> <adapter-dir> <out-dir>`: the published checkpoint with a trained LoRA adapter merged
+in, every weight kept in the format it was published in. BF16 (or float32) weights get `scaling·B·A` added in
+float32 and are rounded once to their dtype; FP8 block-128 and INT4 group-32 weights are decoded, merged in
+float32 and quantized again by the rule they are published with (FP8: each 128×128 block's largest magnitude to
+448; INT4: compressed-tensors' symmetric max/7.5 per group of 32). This is the way to a merged FP8 or INT4 model:
+`llamafactory-cli export` merges into BF16 experts only, and holds the whole model in RAM.
+
+The merge reads and writes one shard at a time (RAM: about one shard, plus the float32 copy of the weight being
+merged): the same shard files and index, the published config.json (its quantization_config kept), every other
+file copied, and every tensor the adapter does not touch copied unchanged. It writes into a temporary directory
+beside out-dir and renames it at the end, so a failure leaves no half-written model.
+
+Quantizing again keeps only the part of an update that the format resolves (an INT4 group has 16 levels). The
+report gives, per format, how far the stored weights' change is from the adapter's update (relative L2 over all
+merged weights): near 0 the merged model is the fine-tune; near 1 most of the update is lost, and serving the
+adapter unmerged (or a BF16 export) is the better choice.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..formats import fp8_block, int4_group
+from ..loader.checkpoint import Checkpoint
+from ..loader.quantization import weight_keys
+from ..models import architecture_of, canonical_model_type, composite_prefix
+from ..ops.reference import PROJECTIONS, lora_scale
+from .export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STACKED_KEY
+from .modeling import SETTINGS_KEY
+
+# A LoRA matrix on a plain module, as PEFT saves it: `base_model.model.<module path>.lora_A.weight`.
+_PLAIN_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+@dataclass
+class MergeReport:
+    out_dir: Path
+    merged: dict[str, int] = field(default_factory=dict)  # format -> weights merged
+    lost: dict[str, float] = field(default_factory=dict)  # format -> Σ ||stored change − update||²
+    update: dict[str, float] = field(default_factory=dict)  # format -> Σ ||update||²
+
+    def add(self, fmt: str, lost: float, update: float) -> None:
+        self.merged[fmt] = self.merged.get(fmt, 0) + 1
+        self.lost[fmt] = self.lost.get(fmt, 0.0) + lost
+        self.update[fmt] = self.update.get(fmt, 0.0) + update
+
+    def relative_error(self, fmt: str) -> float:
+        """How far the stored weights' change is from the adapter's update, relative L2 over the format's weights."""
+        return (self.lost[fmt] / self.update[fmt]) ** 0.5 if self.update[fmt] > 0 else 0.0
+
+
+def source_of(model_dir: Path) -> tuple[Path, str, str]:
+    """(published checkpoint directory, key prefix of its text model, model_type of that text model): model_dir is
+    the published checkpoint or a `kt-sft prepare` directory pointing at it."""
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json; point at the model the adapter was trained on (the "
+                                "published checkpoint or its `kt-sft prepare` directory).")
+    config = json.loads((model_dir / "config.json").read_text())
+    settings = config.get(SETTINGS_KEY)
+    source = Path(settings["source"]) if settings else model_dir
+    if settings:
+        config = json.loads((source / "config.json").read_text())
+    prefix = composite_prefix(config.get("model_type"))
+    text = config["text_config"] if prefix is not None else config
+    return source, prefix or "", canonical_model_type(text.get("model_type"))
+
+
+def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str, tuple]:
+    """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
+    kt_sft's stacked expert LoRA at each expert's published weight."""
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / name).exists():
+            raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
+                                    "output_dir or one of its checkpoints).")
+    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise ValueError(f"{adapter_dir} is a {'DoRA' if config.get('use_dora') else config.get('peft_type')} adapter; "
+                         "kt-sft merge merges LoRA adapters only.")
+    if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("fan_in_fan_out"):
+        raise ValueError("adapters with rank_pattern, alpha_pattern or fan_in_fan_out are not supported by kt-sft "
+                         "merge; merge one trained with a single rank and alpha.")
+    scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
+    arch = architecture_of(SimpleNamespace(model_type=model_type))
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), "pt") as f:
+        for key in f.keys():
+            stacked, plain = STACKED_KEY.match(key), _PLAIN_KEY.match(key)
+            if stacked:
+                t = f.get_tensor(key)
+                for e in range(t.shape[0]):
+                    weight = prefix + arch.expert_key(int(stacked["layer"]), e, PROJECTIONS.index(stacked["proj"]))
+                    pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
+            elif plain:
+                module = plain["module"]
+                for new, old in ((new, old) for old, new in arch.key_renames):  # module path -> checkpoint key
+                    module = module.replace(new, old)
+                pairs.setdefault(prefix + module + ".weight", {})[plain["ab"]] = f.get_tensor(key)
+            else:
+                raise ValueError(f"the adapter holds {key}, which is not a LoRA matrix (modules_to_save?); kt-sft merge "
+                                 "merges LoRA pairs only.")
+    updates = {}
+    for weight, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"the adapter has lora_{'A' if 'A' in ab else 'B'} but not its partner for {weight}; the "
+                             "adapter file is incomplete.")
+        updates[weight] = (ab["B"], ab["A"], scaling)
+    return updates
+
+
+def stored_format(ckpt: Checkpoint, weight: str) -> str:
+    """'int4', 'fp8' or 'plain' for a weight named by its `<module>.weight` key."""
+    if weight_keys("int4", weight)[0] in ckpt.shard_of:
+        return "int4"
+    if weight in ckpt.shard_of:
+        return "fp8" if ckpt.dtype(weight) == "F8_E4M3" else "plain"
+    raise ValueError(f"the adapter has LoRA on {weight.removesuffix('.weight')}, but the checkpoint {ckpt.dir} has no "
+                     "such weight; merge it into the model it was trained on.")
+
+
+def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeReport) -> dict[str, torch.Tensor]:
+    """The stored tensors (weight_keys of its format) of `weight` with its LoRA update merged."""
+    fmt = stored_format(ckpt, weight)
+    keys = weight_keys(fmt, weight)
+    if fmt == "int4":
+        cols = int(ckpt.get(keys[2])[1])
+        w = int4_group.dequantize(ckpt.get(keys[0]), ckpt.get(keys[1]), cols)
+    elif fmt == "fp8":
+        w = fp8_block.dequantize(ckpt.get(keys[0]), ckpt.get(keys[1]))
+    else:
+        stored = ckpt.get(weight)
+        w = stored.to(torch.float32)
+    b, a, scaling = update
+    if (b.shape[0], a.shape[1]) != tuple(w.shape):
+        raise ValueError(f"the adapter's LoRA on {weight.removesuffix('.weight')} makes a {b.shape[0]}x{a.shape[1]} "
+                         f"update for a {list(w.shape)} weight; it was trained on another model.")
+    delta = scaling * (b.to(torch.float32) @ a.to(torch.float32))
+    new = w + delta
+    if not torch.isfinite(new).all():
+        raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
+    if fmt == "int4":
+        packed, scale = int4_group.quantize(new)
+        out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
+        back = int4_group.dequantize(packed, scale, cols)
+    elif fmt == "fp8":
+        q, scale_inv = fp8_block.quantize(new)
+        out = {keys[0]: q, keys[1]: scale_inv.to(ckpt.get(keys[1]).dtype)}
+        back = fp8_block.dequantize(q, scale_inv)
+    else:
+        out = {weight: new.to(stored.dtype)}
+        back = out[weight].to(torch.float32)
+        fmt = str(stored.dtype).removeprefix("torch.")
+    report.add(fmt, float((back - w - delta).double().square().sum()), float(delta.double().square().sum()))
+    return out
+
+
+def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> MergeReport:
+    """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring)."""
+    source, prefix, model_type = source_of(Path(model_dir))
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for the merged model.")
+    if out_dir.resolve() == source.resolve():
+        raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
+    updates = adapter_updates(Path(adapter_dir), model_type, prefix)
+    ckpt = Checkpoint(source)
+    owner = {}  # stored key -> the merged weight it belongs to
+    for weight in updates:
+        fmt = stored_format(ckpt, weight)
+        for key in weight_keys(fmt, weight):
+            owner[key] = weight
+    report = MergeReport(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.merging"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # merged weights whose stored keys are not all written yet
+        shards: dict[str, list[str]] = {}
+        for key, shard in ckpt.shard_of.items():
+            shards.setdefault(shard, []).append(key)
+        for shard, keys in shards.items():
+            tensors = {}
+            with safe_open(str(source / shard), "pt") as f:
+                metadata = f.metadata() or {"format": "pt"}
+                for key in keys:
+                    weight = owner.get(key)
+                    if weight is None:
+                        tensors[key] = f.get_tensor(key)
+                        continue
+                    if weight not in pending:
+                        pending[weight] = merged_weight(ckpt, weight, updates[weight], report)
+                    tensors[key] = pending[weight].pop(key)
+                    if not pending[weight]:
+                        del pending[weight]
+            save_file(tensors, str(tmp / shard), metadata=metadata)
+        for f in source.iterdir():
+            if f.suffix == ".safetensors":
+                continue
+            if f.is_dir():
+                shutil.copytree(f, tmp / f.name)
+            else:
+                shutil.copy(f, tmp / f.name)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report

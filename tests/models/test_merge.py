@@ -1,0 +1,136 @@
+"""`kt-sft merge`: a trained adapter merged into the published checkpoint, each weight in its own format. Float weights
+give the unmerged model's logits; FP8 and INT4 weights hold exactly the format's quantization of the decoded weight
+plus the adapter's update (computed here from the trained modules, not from the adapter file); every other tensor
+and file is unchanged, and the result loads; what the merge cannot do is named, leaving nothing behind."""
+import json
+import shutil
+
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from kt_sft.cli import main
+from kt_sft.formats import fp8_block, int4_group
+from kt_sft.integrations.merge import merge_adapter
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.loader.quantization import COMPANION_SUFFIXES, read_weight
+from kt_sft.models import architecture_of
+from kt_sft.ops.reference import PROJECTIONS
+from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import kimi_k25_checkpoint
+from test_export_adapter import trained_adapter
+from test_quantized_models import IDS, LORA_TARGETS, load, published  # noqa: F401 (published: the fixture)
+from tolerances import FP32_IO, rel_l2
+
+
+def updates_of(peft_model) -> dict:
+    """Checkpoint weight key -> the adapter's update (float32), from the modules that trained it. The tests' scaling
+    alpha / r = 2 is a power of two, so where it is applied does not change a bit of the update."""
+    arch = architecture_of(peft_model.config)
+    out = {}
+    for name, m in peft_model.named_modules():
+        if isinstance(m, KTExpertsLinear):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            a, b, s = m.lora_A["default"], m.lora_B["default"], m.scaling["default"]
+            for e in range(m.num_experts):
+                for p, proj in enumerate(PROJECTIONS):
+                    out[arch.expert_key(layer, e, p)] = s * b[proj][e].float() @ a[proj][e].float()
+        elif isinstance(m, peft.tuners.lora.LoraLayer) and "default" in m.lora_A:
+            out[name.removeprefix("base_model.model.") + ".weight"] = m.get_delta_weight("default").float()
+    return out
+
+
+def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path):
+    peft_model, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    assert main(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(merged(IDS).logits, peft_model(input_ids=IDS).logits) <= FP32_IO
+    before, after = Checkpoint(model_dir), Checkpoint(tmp_path / "merged")
+    assert set(before.keys()) == set(after.keys())
+    changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
+    assert changed == set(updates_of(peft_model))
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(p.name for p in model_dir.iterdir())
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt):  # noqa: F811
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", str(published[fmt]), str(prepared)]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    model = peft.get_peft_model(load(prepared).requires_grad_(False), config)
+    model.save_pretrained(tmp_path / "adapter")
+    report = merge_adapter(prepared, tmp_path / "adapter", tmp_path / "merged")
+
+    src, out = Checkpoint(published[fmt]), Checkpoint(tmp_path / "merged")
+    assert {k: (src.dtype(k), src.shape(k)) for k in src.keys()} == {k: (out.dtype(k), out.shape(k)) for k in out.keys()}
+    updates = updates_of(model)
+    merged = 0
+    for key in src.keys():
+        if key.endswith(COMPANION_SUFFIXES):
+            continue
+        weight, values = read_weight(src, key)
+        if weight not in updates:
+            assert torch.equal(out.get(key), src.get(key)), key
+            continue
+        merged += 1
+        want = values.float() + updates[weight]
+        base = weight.removesuffix(".weight")
+        if key.endswith(".weight_packed"):
+            packed, scale = int4_group.quantize(want)
+            assert torch.equal(out.get(key), packed) and torch.equal(out.get(base + ".weight_scale"), scale), key
+        elif src.dtype(key) == "F8_E4M3":
+            q, scale_inv = fp8_block.quantize(want)
+            assert torch.equal(out.get(key).view(torch.uint8), q.view(torch.uint8)), key
+            assert torch.equal(out.get(base + ".weight_scale_inv"), scale_inv), key
+        else:
+            assert torch.equal(out.get(key), want.to(src.get(key).dtype)), key
+    assert merged == len(updates) == sum(report.merged.values())
+    assert set(report.merged) == {fmt, "float32"}  # the tiny checkpoints keep some attention weights unquantized
+    assert all(0 <= report.relative_error(f) < 1.5 for f in report.merged)
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        json.loads((published[fmt] / "config.json").read_text())["quantization_config"]["quant_method"]
+
+    assert main(["prepare", str(tmp_path / "merged"), str(tmp_path / "reprepared")]) == 0
+    with torch.no_grad():
+        assert torch.isfinite(load(tmp_path / "reprepared")(IDS).logits).all()
+
+
+def test_composite_checkpoint_merges_its_text_model(published, tmp_path):  # noqa: F811
+    src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
+    assert main(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    model = peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config)
+    model.save_pretrained(tmp_path / "adapter")
+    merge_adapter(tmp_path / "prepared", tmp_path / "adapter", tmp_path / "merged")
+    before, after = Checkpoint(src), Checkpoint(tmp_path / "merged")
+    changed = {read_weight(before, k)[0] for k in before.keys()
+               if not k.endswith(COMPANION_SUFFIXES) and not torch.equal(before.get(k), after.get(k))}
+    assert changed == {"language_model." + k for k in updates_of(model)}
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "kimi_k25"
+
+
+def test_merge_names_what_it_cannot_do(tmp_path):
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    adapter = tmp_path / "adapter"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        merge_adapter(model_dir, adapter, busy)
+
+    other = tmp_path / "other"
+    shutil.copytree(adapter, other)
+    state = load_file(str(other / "adapter_model.safetensors"))
+    state = {k.replace("o_proj", "x_proj"): v for k, v in state.items()}
+    save_file(state, str(other / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"x_proj, but the checkpoint .* has no such weight"):
+        merge_adapter(model_dir, other, tmp_path / "out")
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA adapter"):
+        merge_adapter(model_dir, other, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "busy", "model", "other"]
