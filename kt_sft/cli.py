@@ -97,6 +97,9 @@ def merge_cmd(args) -> int:
     return 0
 
 
+ADAPTER_HELP = "the saved adapter (training output_dir or a checkpoint)"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -112,14 +115,14 @@ def main(argv=None) -> int:
     p.set_defaults(fn=prepare_cmd)
     x = sub.add_parser("export", help="rewrite a trained adapter's expert LoRA per expert, in the layout runtimes with "
                                       "per-expert modules read")
-    x.add_argument("adapter_dir", help="the saved adapter (training output_dir or a checkpoint)")
+    x.add_argument("adapter_dir", help=ADAPTER_HELP)
     x.add_argument("out_dir", help="where to write the per-expert adapter")
     x.add_argument("--model", help="the model directory it was trained on (default: the adapter's base_model_name_or_path)")
     x.set_defaults(fn=export_cmd)
     g = sub.add_parser("merge", help="write the checkpoint with an adapter merged in, each weight in its published "
                                      "format (FP8 and INT4 quantized again)")
     g.add_argument("model_dir", help="the model the adapter was trained on (published checkpoint or prepared directory)")
-    g.add_argument("adapter_dir", help="the saved adapter (training output_dir or a checkpoint)")
+    g.add_argument("adapter_dir", help=ADAPTER_HELP)
     g.add_argument("out_dir", help="a new directory for the merged checkpoint")
     g.set_defaults(fn=merge_cmd)
     d = sub.add_parser("demo", help="write a tiny MoE checkpoint, dataset and LLaMA-Factory configs (no downloads)")
