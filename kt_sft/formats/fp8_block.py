@@ -28,17 +28,39 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), rows, cols)
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
+def _block_amax(w: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each 128×128 block of a [..., rows, cols] float32 matrix."""
     rows, cols = w.shape[-2:]
     lead = w.shape[:-2]
     nb_r, nb_c = scale_shape(rows, cols)
     padded = torch.zeros(*lead, nb_r * BLOCK, nb_c * BLOCK, dtype=torch.float32)
-    padded[..., :rows, :cols] = w.to(torch.float32)
-    amax = padded.reshape(*lead, nb_r, BLOCK, nb_c, BLOCK).abs().amax(dim=(-3, -1))
+    padded[..., :rows, :cols] = w
+    return padded.reshape(*lead, nb_r, BLOCK, nb_c, BLOCK).abs().amax(dim=(-3, -1))
+
+
+def _codes(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    rows, cols = w.shape[-2:]
+    return (w / expand_scales(scale_inv, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
+    w = w.to(torch.float32)
+    amax = _block_amax(w)
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w.to(torch.float32) / expand_scales(scale_inv, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale_inv.contiguous()
+    return _codes(w, scale_inv), scale_inv.contiguous()
+
+
+def requantize(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale_inv) of w on existing block scales (a merged weight on its published grid): a block keeps its
+    scale while its largest magnitude fits (≤ 448 of it), so unchanged values get their codes back and a small
+    change moves only the codes it crosses a rounding boundary of; a block that would overflow (or had no usable
+    scale) takes the scale quantize() gives it."""
+    w = w.to(torch.float32)
+    amax, old = _block_amax(w), scale_inv.to(torch.float32)
+    fresh = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, fresh)
+    return _codes(w, kept), kept.contiguous()
 
 
 def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> None:

@@ -54,14 +54,39 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Te
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, scale) with the compressed-tensors symmetric rule: scale = max|w| / 7.5 per group (BF16),
     q = round(w / scale) clamped to [-8, 7]. All-zero groups get scale 1 (their q are 0)."""
-    cols = w.shape[-1]
-    ng = groups(cols)
-    padded = torch.zeros(*w.shape[:-1], ng * GROUP, dtype=torch.float32)
-    padded[..., :cols] = w.to(torch.float32)
-    amax = padded.reshape(*w.shape[:-1], ng, GROUP).abs().amax(-1)
-    scale = torch.where(amax > 0, amax / ((QMAX - QMIN) / 2), torch.ones_like(amax)).to(torch.bfloat16)
-    q = torch.round(w.to(torch.float32) / expand_scales(scale.to(torch.float32), cols)).clamp(QMIN, QMAX)
-    return pack(q.to(torch.int8)), scale.contiguous()
+    w = w.to(torch.float32)
+    scale = _fresh_scales(_grouped(w).abs().amax(-1))
+    return pack(_codes(w, scale)), scale.contiguous()
+
+
+def _grouped(x: torch.Tensor) -> torch.Tensor:
+    """[..., cols] as [..., groups, GROUP], zero-padded."""
+    cols = x.shape[-1]
+    padded = torch.zeros(*x.shape[:-1], groups(cols) * GROUP, dtype=x.dtype)
+    padded[..., :cols] = x
+    return padded.reshape(*x.shape[:-1], groups(cols), GROUP)
+
+
+def _fresh_scales(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' symmetric rule: max|w| / 7.5 per group, in BF16 (all-zero groups: 1)."""
+    return torch.where(amax > 0, amax / ((QMAX - QMIN) / 2), torch.ones_like(amax)).to(torch.bfloat16)
+
+
+def _codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.round(w / expand_scales(scale.to(torch.float32), w.shape[-1])).clamp(QMIN, QMAX).to(torch.int8)
+
+
+def requantize(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scale) of w on the grid of existing group scales (a merged weight on its published grid): a group
+    keeps its scale while all its values round inside [-8, 7] steps of it, so unchanged values get their codes
+    back and a small change moves only the codes it crosses a rounding boundary of; a group that would clip (or
+    had no usable scale) takes the scale quantize() gives it. Quantizing afresh would give every group another
+    scale (its largest code is 7 or -8, not the rule's 7.5) and move codes that no update touched."""
+    w = w.to(torch.float32)
+    steps = _grouped(torch.round(w / expand_scales(scale.to(torch.float32), w.shape[-1])))
+    fits = ((steps >= QMIN) & (steps <= QMAX)).all(-1) & (scale.to(torch.float32) > 0)
+    kept = torch.where(fits, scale.to(torch.bfloat16), _fresh_scales(_grouped(w).abs().amax(-1)))
+    return pack(_codes(w, kept)), kept.contiguous()
 
 
 def check(packed: torch.Tensor, scale: torch.Tensor, cols: int, name: str = "INT4 weight") -> None:

@@ -146,11 +146,11 @@ def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeRep
     if not torch.isfinite(new).all():
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
     if fmt == "int4":
-        packed, scale = int4_group.quantize(new)
+        packed, scale = int4_group.requantize(new, ckpt.get(keys[1]))
         out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
         back = int4_group.dequantize(packed, scale, cols)
     elif fmt == "fp8":
-        q, scale_inv = fp8_block.quantize(new)
+        q, scale_inv = fp8_block.requantize(new, ckpt.get(keys[1]))
         out = {keys[0]: q, keys[1]: scale_inv.to(ckpt.get(keys[1]).dtype)}
         back = fp8_block.dequantize(q, scale_inv)
     else:

@@ -1,6 +1,7 @@
 """`kt-sft merge`: a trained adapter merged into the published checkpoint, each weight in its own format. Float weights
 give the unmerged model's logits; FP8 and INT4 weights hold exactly the format's quantization of the decoded weight
-plus the adapter's update (computed here from the trained modules, not from the adapter file); every other tensor
+plus the adapter's update on the published grid (formats' requantize; the update computed here from the trained
+modules, not from the adapter file); every other tensor
 and file is unchanged, and the result loads; what the merge cannot do is named, leaving nothing behind."""
 import json
 import shutil
@@ -79,10 +80,10 @@ def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt)
         want = values.float() + updates[weight]
         base = weight.removesuffix(".weight")
         if key.endswith(".weight_packed"):
-            packed, scale = int4_group.quantize(want)
+            packed, scale = int4_group.requantize(want, src.get(base + ".weight_scale"))
             assert torch.equal(out.get(key), packed) and torch.equal(out.get(base + ".weight_scale"), scale), key
         elif src.dtype(key) == "F8_E4M3":
-            q, scale_inv = fp8_block.quantize(want)
+            q, scale_inv = fp8_block.requantize(want, src.get(base + ".weight_scale_inv"))
             assert torch.equal(out.get(key).view(torch.uint8), q.view(torch.uint8)), key
             assert torch.equal(out.get(base + ".weight_scale_inv"), scale_inv), key
         else:

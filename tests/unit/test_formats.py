@@ -58,6 +58,56 @@ def test_fp8_partial_edge_blocks_and_every_code():
     assert got[128:256, 128:].abs().max() == 0
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_requantize_keeps_the_published_grid(fmt):
+    """A merged weight requantized on its published scales: unchanged values get their codes back bit for bit, a
+    change within the grid's range moves codes by its rounding only, and a block or group that would clip (or had
+    a zero scale) takes the scale quantize() gives it."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 200, 300, generator=g)  # partial edge blocks and groups
+    if fmt == "fp8":
+        q, s = fp8_block.quantize(w)
+        same_q, same_s = fp8_block.requantize(fp8_block.dequantize(q, s), s)
+        assert torch.equal(same_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(same_s, s)
+        base = fp8_block.dequantize(q, s)
+        grown = base.clone()
+        grown[0, 5, 7] = 4 * base[0, :128, :128].abs().max()  # block (0, 0, 0) overflows its scale
+        s_zero = s.clone()
+        s_zero[1, 1, 2] = 0
+        new_q, new_s = fp8_block.requantize(grown, s_zero)
+        fresh_q, fresh_s = fp8_block.quantize(grown)
+        for i in ((0, 0, 0), (1, 1, 2)):
+            assert new_s[i] == fresh_s[i]
+        kept = torch.ones_like(s, dtype=torch.bool)
+        kept[0, 0, 0] = kept[1, 1, 2] = False
+        assert torch.equal(new_s[kept], s[kept])
+        back = fp8_block.dequantize(new_q, new_s)
+        assert torch.equal(fp8_block.requantize(back, new_s)[0].view(torch.uint8), new_q.view(torch.uint8))
+        return
+    packed, s = int4_group.quantize(w)
+    base = int4_group.dequantize(packed, s, 300)
+    same_p, same_s = int4_group.requantize(base, s)
+    assert torch.equal(same_p, packed) and torch.equal(same_s, s)
+    step = int4_group.expand_scales(s.float(), 300)
+    nudged = base + 0.3 * step * torch.sign(torch.randn(base.shape, generator=g))  # within half a step
+    codes = int4_group.unpack(packed, 300)
+    nudged[codes == 7] = base[codes == 7]  # keep every value inside the grid's range
+    nudged[codes == -8] = base[codes == -8]
+    assert torch.equal(int4_group.requantize(nudged, s)[0], packed)
+    grown = base.clone()
+    grown[1, 3, 40] = 20 * s[1, 3, 1].float()  # group (1, 3, 1) would clip
+    s_zero = s.clone()
+    s_zero[0, 0, 9] = 0
+    new_p, new_s = int4_group.requantize(grown, s_zero)
+    fresh_s = int4_group.quantize(grown)[1]
+    assert new_s[1, 3, 1] == fresh_s[1, 3, 1] and new_s[0, 0, 9] == fresh_s[0, 0, 9]
+    kept = torch.ones_like(s, dtype=torch.bool)
+    kept[1, 3, 1] = kept[0, 0, 9] = False
+    assert torch.equal(new_s[kept], s[kept])
+    assert torch.equal(int4_group.unpack(new_p, 300)[kept.repeat_interleave(32, -1)[..., :300]],
+                       codes[kept.repeat_interleave(32, -1)[..., :300]])
+
+
 def test_bad_scales_and_codes_are_refused():
     q = QuantizedExperts.quantize("fp8", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
     with pytest.raises(ValueError, match="NaN or Inf"):
