@@ -99,6 +99,44 @@ def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt)
         assert torch.isfinite(load(tmp_path / "reprepared")(IDS).logits).all()
 
 
+def reshard(directory, shards=3):
+    """The checkpoint's single file split into `shards` files with an index, keys dealt round-robin (so a weight and
+    its scales mostly sit in different shards)."""
+    state = load_file(str(directory / "model.safetensors"))
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    weight_map = {k: names[i % shards] for i, k in enumerate(sorted(state))}
+    for name in names:
+        save_file({k: v for k, v in state.items() if weight_map[k] == name}, str(directory / name),
+                  metadata={"format": "pt"})
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_sharded_checkpoint_merges_across_shards(published, tmp_path):  # noqa: F811
+    src = tmp_path / "fp8"
+    shutil.copytree(published["fp8"], src)
+    reshard(src)
+    assert main(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    model = peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config)
+    model.save_pretrained(tmp_path / "adapter")
+    merge_adapter(tmp_path / "prepared", tmp_path / "adapter", tmp_path / "merged")
+    assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(p.name for p in src.iterdir())
+    before, after = Checkpoint(src), Checkpoint(tmp_path / "merged")
+    assert before.shard_of == after.shard_of
+    updates = updates_of(model)
+    for key in before.keys():
+        if key.endswith(COMPANION_SUFFIXES):
+            continue
+        weight, values = read_weight(before, key)
+        if weight in updates:
+            q, scale_inv = fp8_block.requantize(values + updates[weight], before.get(key + "_scale_inv"))
+            assert torch.equal(after.get(key).view(torch.uint8), q.view(torch.uint8)), key
+            assert torch.equal(after.get(key + "_scale_inv"), scale_inv), key
+        else:
+            assert torch.equal(after.get(key), before.get(key)), key
+
+
 def test_composite_checkpoint_merges_its_text_model(published, tmp_path):  # noqa: F811
     src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
     assert main(["prepare", str(src), str(tmp_path / "prepared")]) == 0
