@@ -38,6 +38,11 @@ def _block_amax(w: torch.Tensor) -> torch.Tensor:
     return padded.reshape(*lead, nb_r, BLOCK, nb_c, BLOCK).abs().amax(dim=(-3, -1))
 
 
+def _fresh_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Each block's largest magnitude mapped to FP8_MAX (all-zero blocks: 1)."""
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
 def _codes(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     rows, cols = w.shape[-2:]
     return (w / expand_scales(scale_inv, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -46,8 +51,7 @@ def _codes(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
     w = w.to(torch.float32)
-    amax = _block_amax(w)
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale_inv = _fresh_scales(_block_amax(w))
     return _codes(w, scale_inv), scale_inv.contiguous()
 
 
@@ -58,8 +62,7 @@ def requantize(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, 
     scale) takes the scale quantize() gives it."""
     w = w.to(torch.float32)
     amax, old = _block_amax(w), scale_inv.to(torch.float32)
-    fresh = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, fresh)
+    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, _fresh_scales(amax))
     return _codes(w, kept), kept.contiguous()
 
 

@@ -1,9 +1,11 @@
 """`kt-sft merge <model-dir> <adapter-dir> <out-dir>`: the published checkpoint with a trained LoRA adapter merged
 in, every weight kept in the format it was published in. BF16 (or float32) weights get `scaling·B·A` added in
 float32 and are rounded once to their dtype; FP8 block-128 and INT4 group-32 weights are decoded, merged in
-float32 and quantized again by the rule they are published with (FP8: each 128×128 block's largest magnitude to
-448; INT4: compressed-tensors' symmetric max/7.5 per group of 32). This is the way to a merged FP8 or INT4 model:
-`llamafactory-cli export` merges into BF16 experts only, and holds the whole model in RAM.
+float32 and quantized again on their published grid: a block or group keeps its scale unless the merged values
+would clip, and only then takes a fresh one by the published rule (FP8: the block's largest magnitude to 448;
+INT4: compressed-tensors' symmetric max/7.5), so codes the update does not move stay as they were (formats'
+`requantize`). This is the way to a merged FP8 or INT4 model: `llamafactory-cli export` merges into BF16 experts
+only, and holds the whole model in RAM.
 
 The merge reads and writes one shard at a time (RAM: about one shard, plus the float32 copy of the weight being
 merged): the same shard files and index, the published config.json (its quantization_config kept), every other
