@@ -1,6 +1,7 @@
 """End to end through the stock `llamafactory-cli` (0.9.5, no forks, no use_kt): the demo checkpoint is
 prepared, LoRA-trained (attention + every routed expert on the CPU engine), resumed from a checkpoint on
-the same loss curve, chatted with, exported with the adapter merged, and fully fine-tuned."""
+the same loss curve, chatted with, exported with the adapter merged (by LLaMA-Factory and by `kt-sft merge`), and
+fully fine-tuned."""
 import json
 import os
 import re
@@ -104,6 +105,17 @@ def test_export_merges_the_adapter_into_a_stock_checkpoint(demo, lora_run):
         demo / "prepared", trust_remote_code=True, dtype=torch.float32), lora_run)
     stock = AutoModelForCausalLM.from_pretrained(demo / "merged", dtype=torch.float32)  # no kt_sft code
     assert "KTExperts" not in type(stock.model.layers[0].mlp.experts).__name__
+    with torch.no_grad():
+        assert rel_l2(stock(ids).logits, adapter(ids).logits) <= MERGED_BF16
+
+
+def test_kt_sft_merge_of_the_llamafactory_adapter_gives_its_logits(demo, lora_run):
+    from kt_sft.cli import main
+    assert main(["merge", str(demo / "prepared"), str(lora_run), str(demo / "kt_merged")]) == 0
+    ids = torch.tensor([[1, 5, 9, 14, 20, 31]])
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        demo / "prepared", trust_remote_code=True, dtype=torch.float32), lora_run)
+    stock = AutoModelForCausalLM.from_pretrained(demo / "kt_merged", dtype=torch.float32)  # no kt_sft code
     with torch.no_grad():
         assert rel_l2(stock(ids).logits, adapter(ids).logits) <= MERGED_BF16
 
