@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import time
 
 import torch
 
@@ -87,7 +88,13 @@ def export_cmd(args) -> int:
 def merge_cmd(args) -> int:
     from .integrations.merge import merge_adapter
 
-    report = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir)
+    start = time.monotonic()
+
+    def progress(done, total, shard):
+        left = (time.monotonic() - start) / done * (total - done)
+        print(f"  shard {done}/{total} written ({shard}); about {left / 60:.0f} min left", file=sys.stderr, flush=True)
+
+    report = merge_adapter(args.model_dir, args.adapter_dir, args.out_dir, progress=progress)
     print(f"merged {report.out_dir}: " + ", ".join(f"{n} {fmt} weights" for fmt, n in report.merged.items()))
     for fmt in report.merged:
         err = report.relative_error(fmt)

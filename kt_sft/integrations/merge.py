@@ -25,6 +25,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -163,8 +164,10 @@ def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeRep
     return out
 
 
-def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path) -> MergeReport:
-    """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring)."""
+def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
+                  progress: Callable[[int, int, str], None] | None = None) -> MergeReport:
+    """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
+    total, shard) is called after each shard is written (a large model's merge takes hours)."""
     source, prefix, model_type = source_of(Path(model_dir))
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -187,7 +190,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
         shards: dict[str, list[str]] = {}
         for key, shard in ckpt.shard_of.items():
             shards.setdefault(shard, []).append(key)
-        for shard, keys in shards.items():
+        for n, (shard, keys) in enumerate(shards.items()):
             tensors = {}
             with safe_open(str(source / shard), "pt") as f:
                 metadata = f.metadata() or {"format": "pt"}
@@ -202,6 +205,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                     if not pending[weight]:
                         del pending[weight]
             save_file(tensors, str(tmp / shard), metadata=metadata)
+            if progress:
+                progress(n + 1, len(shards), shard)
         for f in source.iterdir():
             if f.suffix == ".safetensors":
                 continue

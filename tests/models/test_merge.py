@@ -120,7 +120,10 @@ def test_sharded_checkpoint_merges_across_shards(published, tmp_path):  # noqa: 
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
     model = peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config)
     model.save_pretrained(tmp_path / "adapter")
-    merge_adapter(tmp_path / "prepared", tmp_path / "adapter", tmp_path / "merged")
+    seen = []
+    merge_adapter(tmp_path / "prepared", tmp_path / "adapter", tmp_path / "merged",
+                  progress=lambda done, total, shard: seen.append((done, total, shard)))
+    assert seen == [(i + 1, 3, f"model-{i + 1:05d}-of-00003.safetensors") for i in range(3)]
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(p.name for p in src.iterdir())
     before, after = Checkpoint(src), Checkpoint(tmp_path / "merged")
     assert before.shard_of == after.shard_of
