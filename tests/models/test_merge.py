@@ -43,8 +43,9 @@ def updates_of(peft_model) -> dict:
     return out
 
 
-def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path):
-    peft_model, model_dir = trained_adapter("qwen3_moe", tmp_path)
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral's checkpoint names experts w1/w3/w2
+def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type):
+    peft_model, model_dir = trained_adapter(model_type, tmp_path)
     assert main(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
