@@ -8,8 +8,9 @@ INT4: compressed-tensors' symmetric max/7.5), so codes the update does not move 
 only, and holds the whole model in RAM.
 
 The merge reads and writes one shard at a time (RAM: about one shard, plus the float32 copy of the weight being
-merged): the same shard files and index, the published config.json (its quantization_config kept), every other
-file copied, and every tensor the adapter does not touch copied unchanged. It writes into a temporary directory
+merged): the same shard files and index, the published config.json (its quantization_config kept), the other
+top-level files that are not weights (tokenizer, generation config, remote code), and every tensor the adapter does
+not touch copied unchanged. It writes into a temporary directory
 beside out-dir and renames it at the end, so a failure leaves no half-written model.
 
 Quantizing again keeps only the part of an update that the format resolves (an INT4 group has 16 levels). The
@@ -39,6 +40,9 @@ from ..ops.reference import PROJECTIONS, lora_scale
 from .export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STACKED_KEY
 from .modeling import SETTINGS_KEY
 
+# Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
+# the weights, e.g. `consolidated.*.pth`, would be unmerged).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # A LoRA matrix on a plain module, as PEFT saves it: `base_model.model.<module path>.lora_A.weight`.
 _PLAIN_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 
@@ -207,12 +211,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
             save_file(tensors, str(tmp / shard), metadata=metadata)
             if progress:
                 progress(n + 1, len(shards), shard)
-        for f in source.iterdir():
-            if f.suffix == ".safetensors":
-                continue
-            if f.is_dir():
-                shutil.copytree(f, tmp / f.name)
-            else:
+        for f in source.iterdir():  # config, tokenizer, generation config, remote code: not other weight copies
+            if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:
                 shutil.copy(f, tmp / f.name)
         if out_dir.exists():
             out_dir.rmdir()
