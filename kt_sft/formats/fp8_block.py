@@ -59,11 +59,12 @@ def requantize(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, 
     """(codes, scale_inv) of w on existing block scales (a merged weight on its published grid): a block keeps its
     scale while its largest magnitude fits (≤ 448 of it), so unchanged values get their codes back and a small
     change moves only the codes it crosses a rounding boundary of; a block that would overflow (or had no usable
-    scale) takes the scale quantize() gives it."""
+    scale) takes the scale quantize() gives it. Scales come back in scale_inv's dtype, and the codes are computed
+    with them as stored."""
     w = w.to(torch.float32)
     amax, old = _block_amax(w), scale_inv.to(torch.float32)
-    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, _fresh_scales(amax))
-    return _codes(w, kept), kept.contiguous()
+    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, _fresh_scales(amax)).to(scale_inv.dtype)
+    return _codes(w, kept.to(torch.float32)), kept.contiguous()
 
 
 def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> None:

@@ -158,7 +158,7 @@ def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeRep
         back = int4_group.dequantize(packed, scale, cols)
     elif fmt == "fp8":
         q, scale_inv = fp8_block.requantize(new, ckpt.get(keys[1]))
-        out = {keys[0]: q, keys[1]: scale_inv.to(ckpt.get(keys[1]).dtype)}
+        out = {keys[0]: q, keys[1]: scale_inv}
         back = fp8_block.dequantize(q, scale_inv)
     else:
         out = {weight: new.to(stored.dtype)}

@@ -83,6 +83,12 @@ def test_requantize_keeps_the_published_grid(fmt):
         assert torch.equal(new_s[kept], s[kept])
         back = fp8_block.dequantize(new_q, new_s)
         assert torch.equal(fp8_block.requantize(back, new_s)[0].view(torch.uint8), new_q.view(torch.uint8))
+        # Scales stored in BF16: kept in BF16, and the codes computed with them as stored (1.7·w overflows every
+        # block, whose fresh scales then round to BF16 before the codes are taken).
+        q16, s16 = fp8_block.requantize(1.7 * w, s.to(torch.bfloat16))
+        assert s16.dtype == torch.bfloat16
+        want = (1.7 * w / fp8_block.expand_scales(s16.float(), 200, 300)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(q16.view(torch.uint8), want.view(torch.uint8))
         return
     packed, s = int4_group.quantize(w)
     base = int4_group.dequantize(packed, s, 300)
