@@ -163,17 +163,13 @@ PYBIND11_MODULE(_C, m) {
     d["cpu"] = py::dict(py::arg("avx2_fma") = f.avx2_fma, py::arg("avx512") = f.avx512,
                         py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_bf16") = f.amx_bf16);
     d["runnable_kernels"] = runnable_kernel_sets();
-    try {
-      d["kernels"] = std::string(rt.kernels().name);
-    } catch (const std::exception&) {
-      d["kernels"] = py::none();
-    }
-    std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
     const KernelSet* ks = nullptr;
     try {
       ks = &rt.kernels();
     } catch (const std::exception&) {
     }
+    d["kernels"] = ks ? py::object(py::str(ks->name)) : py::object(py::none());
+    std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
     if (ks && ks->tiles) {
       const std::string use = "used for BF16 activations of experts with at least " +
                               std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call (inference: " +

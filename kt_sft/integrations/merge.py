@@ -107,7 +107,7 @@ def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
                 module = plain["module"]
-                for new, old in ((new, old) for old, new in arch.key_renames):  # module path -> checkpoint key
+                for old, new in arch.key_renames:  # module path -> checkpoint key
                     module = module.replace(new, old)
                 pairs.setdefault(prefix + module + ".weight", {})[plain["ab"]] = f.get_tensor(key)
             else:
@@ -132,15 +132,17 @@ def stored_format(ckpt: Checkpoint, weight: str) -> str:
                      "such weight; merge it into the model it was trained on.")
 
 
-def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeReport) -> dict[str, torch.Tensor]:
-    """The stored tensors (weight_keys of its format) of `weight` with its LoRA update merged."""
-    fmt = stored_format(ckpt, weight)
+def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
+                  report: MergeReport) -> dict[str, torch.Tensor]:
+    """The stored tensors (weight_keys of its format, stored_format's) of `weight` with its LoRA update merged."""
     keys = weight_keys(fmt, weight)
+    scales = ckpt.get(keys[1]) if fmt in ("int4", "fp8") else None
     if fmt == "int4":
-        cols = int(ckpt.get(keys[2])[1])
-        w = int4_group.dequantize(ckpt.get(keys[0]), ckpt.get(keys[1]), cols)
+        shape = ckpt.get(keys[2])
+        cols = int(shape[1])
+        w = int4_group.dequantize(ckpt.get(keys[0]), scales, cols)
     elif fmt == "fp8":
-        w = fp8_block.dequantize(ckpt.get(keys[0]), ckpt.get(keys[1]))
+        w = fp8_block.dequantize(ckpt.get(keys[0]), scales)
     else:
         stored = ckpt.get(weight)
         w = stored.to(torch.float32)
@@ -153,11 +155,11 @@ def merged_weight(ckpt: Checkpoint, weight: str, update: tuple, report: MergeRep
     if not torch.isfinite(new).all():
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
     if fmt == "int4":
-        packed, scale = int4_group.requantize(new, ckpt.get(keys[1]))
-        out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
+        packed, scale = int4_group.requantize(new, scales)
+        out = {keys[0]: packed, keys[1]: scale, keys[2]: shape}
         back = int4_group.dequantize(packed, scale, cols)
     elif fmt == "fp8":
-        q, scale_inv = fp8_block.requantize(new, ckpt.get(keys[1]))
+        q, scale_inv = fp8_block.requantize(new, scales)
         out = {keys[0]: q, keys[1]: scale_inv}
         back = fp8_block.dequantize(q, scale_inv)
     else:
@@ -180,11 +182,9 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     updates = adapter_updates(Path(adapter_dir), model_type, prefix)
     ckpt = Checkpoint(source)
-    owner = {}  # stored key -> the merged weight it belongs to
-    for weight in updates:
-        fmt = stored_format(ckpt, weight)
-        for key in weight_keys(fmt, weight):
-            owner[key] = weight
+    formats = {weight: stored_format(ckpt, weight) for weight in updates}
+    # Stored key -> the merged weight it belongs to.
+    owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
     report = MergeReport(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.merging"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -204,7 +204,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                         tensors[key] = f.get_tensor(key)
                         continue
                     if weight not in pending:
-                        pending[weight] = merged_weight(ckpt, weight, updates[weight], report)
+                        pending[weight] = merged_weight(ckpt, weight, formats[weight], updates[weight], report)
                     tensors[key] = pending[weight].pop(key)
                     if not pending[weight]:
                         del pending[weight]
