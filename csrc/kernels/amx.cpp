@@ -17,8 +17,6 @@ struct alignas(64) TileConfig {
 };
 
 struct AmxTiles {
-  // A chunked tile_nn panel is reduced one reduction block at a time (tile_body.h says why).
-  static constexpr bool kBlockChunks = true;
   static void begin() {
     static const TileConfig cfg = [] {
       TileConfig c;

@@ -68,7 +68,6 @@ struct Bf16Tiles {
     const char* b[2];
     long a_stride[2], b_stride[2];
   };
-  static constexpr bool kBlockChunks = false;  // one-block chunks measured slower on Zen 4 (tile_body.h)
   static State& state() {
     thread_local State s;
     return s;

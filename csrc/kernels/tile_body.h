@@ -296,12 +296,7 @@ void tile_nt(const TileNT<TB>& g) {
 // transpose) while the first block row computes; result tile (i, j) = activation rows i·16.., output
 // columns j·16... With more segments (TileNN's `second`, `f32`) their reduction blocks follow B's in the panel.
 // A panel over kPanelBytes is packed and used in chunks of reduction blocks, each chunk's products added into
-// C: wide items then read long contiguous pieces of each weight row whatever the reduction's length. On AMX
-// (Tiles::kBlockChunks) a chunk is one reduction block, a panel of 32-64 KB that the tile loads find in or near
-// L1, at the cost of adding into C after every block. On the GPU test machine the DeepSeek-V3 layer's `dx` took 7-8% less time
-// at T = 4096 (two calls) and 0-15% less at T = 512 (three) than with 1 MB chunks, whose B tiles every product
-// loads from L2; with the weight rows' reads taken out it took no less time (BENCHMARKS.md, thirteenth
-// session). The emulated tiles measured slower that way (Zen 4), so they keep kPanelBytes chunks.
+// C: wide items then read long contiguous pieces of each weight row whatever the reduction's length.
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
@@ -328,8 +323,7 @@ void tile_nn(const TileNN<TB>& g) {
     while (kc >= seg[s].kc0 + seg[s].blocks) ++s;
     return seg[s];
   };
-  const int fit = int(std::max<long>(1, kt::kPanelBytes / (np * TBYTES)));
-  const int CH = KC <= fit ? KC : Tiles::kBlockChunks ? 1 : fit;
+  const int CH = int(std::min<long>(KC, std::max<long>(1, kt::kPanelBytes / (np * TBYTES))));
   int c0 = 0, ch = CH;  // the chunk being reduced: reduction blocks [c0, c0 + ch), panel slots [0, ch)
   thread_local std::vector<bf16> panel, decoded;
   panel.resize(np * CH * TC);
