@@ -3,7 +3,7 @@
 Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_THREADS  engine threads (default: CPUs this process may use)
   KT_SFT_KERNELS  force a kernel set: amx | avx512 | avx512_bf16 | avx2 | reference (default: amx where the
-                  CPU has it and the OS grants its tile state, else avx512, else avx2)
+                  CPU has it and the OS grants its tile state, else avx512_bf16, else avx512, else avx2)
   KT_SFT_PIN      1 (default) pins engine threads to CPUs, 0 leaves placement to the OS
   KT_SFT_PROFILE  N > 0: models loaded through `kt-sft prepare` print a step profile every N training forwards
   KT_SFT_RECOMPUTE_EXPERTS  1: gradient checkpointing's recompute runs the CPU experts again instead of taking

@@ -1,7 +1,8 @@
 """kt-sft command line: `doctor` (what this machine can run), `prepare` (a model directory that
 transformers / LLaMA-Factory load with the routed experts on the CPU engine), `export` (a trained adapter's
-expert LoRA per expert, for other runtimes) and `demo` (a tiny local MoE checkpoint, dataset and LLaMA-Factory
-configs for the quick start)."""
+expert LoRA per expert, for other runtimes), `merge` (the published checkpoint with an adapter merged in, each
+weight in its own format) and `demo` (a tiny local MoE checkpoint, dataset and LLaMA-Factory configs for the
+quick start)."""
 from __future__ import annotations
 
 import argparse
