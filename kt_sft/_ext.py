@@ -85,6 +85,9 @@ def _configure_from_env() -> None:
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")
     if threads or kernels or pin:
+        if threads and not threads.strip().isdigit():
+            raise ValueError(f"KT_SFT_THREADS={threads!r} is not a whole number; set it to the engine's thread count "
+                             "(0: one per CPU this process may use).")
         _C.configure(int(threads or 0), pin != "0", kernels or "", 0)
 
 

@@ -108,7 +108,8 @@ def merge_cmd(args) -> int:
 ADAPTER_HELP = "the saved adapter (training output_dir or a checkpoint)"
 
 
-def main(argv=None) -> int:
+def run(argv=None) -> int:
+    """The command line, raising what goes wrong (for callers and tests); `main` is the installed command."""
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("doctor", help="report CPU features, kernel sets, threads, memory and GPU").set_defaults(fn=doctor)
@@ -138,6 +139,20 @@ def main(argv=None) -> int:
     d.set_defaults(fn=demo)
     args = ap.parse_args(argv)
     return args.fn(args)
+
+
+def main(argv=None) -> int:
+    """`kt-sft`: errors from what the user gave (paths, files, settings) print their one sentence, without a
+    traceback, and exit with status 2; anything else keeps its traceback."""
+    from safetensors import SafetensorError
+
+    try:
+        return run(argv)
+    except (ValueError, OSError) as e:
+        print(f"kt-sft: {e}", file=sys.stderr)
+    except SafetensorError as e:
+        print(f"kt-sft: a safetensors file is damaged or incomplete ({e}); download or save it again.", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     Runtime::get().configure(threads, pin, kernels, tile_min_rows);
   });
+  m.def("max_threads", &max_threads);
   m.def("capabilities", [] {
     CpuFeatures f = cpu_features();
     Runtime& rt = Runtime::get();

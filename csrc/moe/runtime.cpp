@@ -1,6 +1,8 @@
 #include "runtime.h"
 
+#include <algorithm>
 #include <stdexcept>
+#include <string>
 
 #include "../kernels/dispatch.h"
 
@@ -40,7 +42,15 @@ const KernelSet& Runtime::kernels() const {
   return *kernels_;
 }
 
+int max_threads() { return std::max(1024, 4 * available_cpus()); }
+
 void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows) {
+  // A thread count past what the OS lets a process start would leave it creating threads until it stalls (seen
+  // at 100000); the engine runs best with one thread per physical core anyway.
+  if (n_threads < 0 || n_threads > max_threads())
+    throw std::invalid_argument("threads=" + std::to_string(n_threads) + " is out of range: the engine takes 0 (one "
+                                "per CPU this process may use) to " + std::to_string(max_threads()) +
+                                " threads; one per physical core is fastest.");
   const KernelSet* ks = &select_kernels(kernels);  // throws before anything changes
   // Drain the queue so no call in flight sees the pool change under it.
   queue_->submit([] {})->wait();
@@ -48,7 +58,12 @@ void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int
   tile_min_rows_ = tile_min_rows > 0 ? tile_min_rows : kTileMinRows;
   if (!pool_ || pool_->size() != (n_threads > 0 ? n_threads : available_cpus()) || pin_ != pin) {
     pool_.reset();
-    pool_.reset(new ThreadPool(n_threads, pin));
+    try {
+      pool_.reset(new ThreadPool(n_threads, pin));
+    } catch (...) {  // the OS refused a thread: keep a pool of the default size so later calls still run
+      pool_.reset(new ThreadPool(0, pin_));
+      throw;
+    }
     pin_ = pin;
   }
 }

@@ -38,11 +38,14 @@ class Scratch {
 // 1-4 rows, 2.4x at 128), quantized ones from 4 rows in training and 8 in inference (BENCHMARKS.md, "AMX
 // crossover"); 4 keeps the margin where the two were within noise.
 constexpr int kTileMinRows = 4;
+// The most engine threads configure() takes: max(1024, 4 per CPU this process may use).
+int max_threads();
 
 class Runtime {
  public:
   static Runtime& get();
   // tile_min_rows: experts with fewer rows in a call skip the tile kernels (0: the default, kTileMinRows).
+  // n_threads: 0 (one per CPU this process may use) to max_threads(); invalid_argument outside that.
   void configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows = 0);
   ThreadPool& pool() { return *pool_; }
   // Throws the reason (no AVX2) when no kernel set was chosen.

@@ -5,6 +5,10 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
 namespace kt {
 
 // Threads spin this long for the next job or the last worker before sleeping on a condition variable:
@@ -54,8 +58,17 @@ ThreadPool::ThreadPool(int n_threads, bool pin) : cpus_(allowed_cpus()) {
   n_ = n_threads > 0 ? n_threads : int(cpus_.size());
   // Pinning more threads than allowed CPUs would stack them; then let the OS place them.
   bool do_pin = pin && n_ <= int(cpus_.size());
-  for (int i = 1; i < n_; ++i) {
-    threads_.emplace_back([this, i] { worker(i); });
+  try {
+    for (int i = 1; i < n_; ++i) threads_.emplace_back([this, i] { worker(i); });
+  } catch (const std::system_error& e) {  // stop the workers started so far: a joinable thread's destructor aborts
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_start_.notify_all();
+    for (auto& t : threads_) t.join();
+    throw std::runtime_error("the OS refused to start engine thread " + std::to_string(threads_.size() + 1) + " of " +
+                             std::to_string(n_) + " (" + e.what() + "); configure fewer threads.");
   }
   if (do_pin) {
     bool ok = true;

@@ -12,6 +12,7 @@ each expert's update is unchanged, so nothing is lost and nothing is merged. (Me
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,25 +29,67 @@ STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts
                       r"(?P<proj>gate|up|down)$")
 
 
-def model_type_of(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> str:
-    """The model_type of the model the adapter was trained on: model_dir's config.json, else the adapter's
-    base_model_name_or_path's."""
-    base = Path(model_dir) if model_dir else Path(config.get("base_model_name_or_path") or "")
-    if not (base / "config.json").exists():
-        raise FileNotFoundError(f"cannot find the config.json of the model {adapter_dir} was trained on (looked in "
-                                f"'{base}'); pass the model directory with --model.")
-    return json.loads((base / "config.json").read_text()).get("model_type")
+def adapter_config(adapter_dir: Path) -> dict:
+    """The adapter_config.json of a saved PEFT adapter, checked: both of its files present, a JSON object, a
+    positive integer rank and a finite alpha; rank_pattern / alpha_pattern given as null read as empty."""
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter_dir / name).exists():
+            raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
+                                    "output_dir or one of its checkpoints).")
+    path = adapter_dir / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the adapter was not saved completely.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an adapter configuration.")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{path} gives r = {r!r}; a LoRA adapter's rank is a positive integer.")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{path} gives lora_alpha = {alpha!r}; it must be a finite number.")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key) is None:
+            config[key] = {}
+        elif not isinstance(config[key], dict):
+            raise ValueError(f"{path} gives {key} = {config[key]!r}; PEFT saves it as an object.")
+    return config
+
+
+def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
+    """The config.json of the model the adapter was trained on: model_dir's, else the adapter's
+    base_model_name_or_path's (never the current directory's when that is empty)."""
+    base = model_dir or config.get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        looked = f" (looked in '{base}')" if base else " (its base_model_name_or_path is empty)"
+        raise FileNotFoundError(f"cannot find the config.json of the model {adapter_dir} was trained on{looked}; pass "
+                                "the model directory with --model.")
+    return json.loads((Path(base) / "config.json").read_text())
+
+
+def check_stacked(key: str, t, model: dict) -> None:
+    """A stacked expert LoRA tensor [E, r, in] (A) or [E, out, r] (B) against the model's expert count and hidden
+    size (whichever of the architectures' names the config uses)."""
+    text = model.get("text_config") or model
+    experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
+    H = text.get("hidden_size")
+    proj, ab = STACKED_KEY.match(key)["proj"], STACKED_KEY.match(key)["ab"]
+    width = t.shape[2] if ab == "A" else t.shape[1]
+    hidden = width if (proj == "down") == (ab == "B") else None  # A of gate/up reads H; B of down writes it
+    if (experts is not None and t.shape[0] != experts) or (hidden is not None and H is not None and hidden != H):
+        raise ValueError(f"the adapter's {key} is shaped {list(t.shape)} (experts first), but the model has {experts} "
+                         f"experts of hidden size {H}; export it with the model it was trained on (--model).")
 
 
 def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str | Path | None = None) -> Path:
     """Writes out_dir/adapter_config.json and out_dir/adapter_model.safetensors in the per-expert layout."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (adapter_dir / name).exists():
-            raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
-                                    "output_dir or one of its checkpoints).")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    model_type = model_type_of(adapter_dir, config, model_dir)
+    config = adapter_config(adapter_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for the per-expert adapter "
+                              "(writing over a saved adapter would lose it).")
+    model = base_config(adapter_dir, config, model_dir)
+    model_type = model.get("model_type")
     if composite_prefix(model_type):
         raise ValueError(f"{model_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
@@ -65,6 +108,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
             out[key] = t
             continue
         stacked += 1
+        check_stacked(key, t, model)
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
             out[f"{m['pre']}{arch.expert_module(int(m['layer']), e, proj)}.lora_{m['ab']}.weight"] = t[e].contiguous()

@@ -37,7 +37,7 @@ from ..loader.checkpoint import Checkpoint
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STACKED_KEY
+from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -73,6 +73,9 @@ def source_of(model_dir: Path) -> tuple[Path, str, str]:
     config = json.loads((model_dir / "config.json").read_text())
     settings = config.get(SETTINGS_KEY)
     source = Path(settings["source"]) if settings else model_dir
+    if settings and not (source / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} was prepared from {source}, which has no config.json now (moved or "
+                                "deleted?); pass the published checkpoint itself.")
     if settings:
         config = json.loads((source / "config.json").read_text())
     prefix = composite_prefix(config.get("model_type"))
@@ -83,11 +86,7 @@ def source_of(model_dir: Path) -> tuple[Path, str, str]:
 def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
     kt_sft's stacked expert LoRA at each expert's published weight."""
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        if not (adapter_dir / name).exists():
-            raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
-                                    "output_dir or one of its checkpoints).")
-    config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    config = adapter_config(adapter_dir)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"{adapter_dir} is a {'DoRA' if config.get('use_dora') else config.get('peft_type')} adapter; "
                          "kt-sft merge merges LoRA adapters only.")
@@ -118,6 +117,10 @@ def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str
         if set(ab) != {"A", "B"}:
             raise ValueError(f"the adapter has lora_{'A' if 'A' in ab else 'B'} but not its partner for {weight}; the "
                              "adapter file is incomplete.")
+        if ab["A"].dim() != 2 or ab["B"].dim() != 2 or ab["A"].shape[0] != config["r"] or ab["B"].shape[1] != config["r"]:
+            raise ValueError(f"adapter_config.json gives r = {config['r']}, but the LoRA on "
+                             f"{weight.removesuffix('.weight')} is A {list(ab['A'].shape)}, B {list(ab['B'].shape)}; the "
+                             "config does not belong to these weights.")
         updates[weight] = (ab["B"], ab["A"], scaling)
     return updates
 
@@ -175,7 +178,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
     total, shard) is called after each shard is written (a large model's merge takes hours)."""
     source, prefix, model_type = source_of(Path(model_dir))
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # "." has no name to put the temporary directory beside it under
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for the merged model.")
     if out_dir.resolve() == source.resolve():

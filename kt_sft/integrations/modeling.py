@@ -7,6 +7,8 @@ live under config.json's "kt_sft" key.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .. import configure
@@ -50,6 +52,9 @@ class KTSFTForCausalLM:
         if not settings or "source" not in settings:
             raise ValueError(f"{pretrained_model_name_or_path} was not written by `kt-sft prepare` (config.json has no "
                              f"'{SETTINGS_KEY}' section); run `kt-sft prepare <model-dir> <out-dir>` first.")
+        if not (Path(settings["source"]) / "config.json").exists():
+            raise FileNotFoundError(f"{pretrained_model_name_or_path} was prepared from {settings['source']}, which has "
+                                    "no config.json now (moved or deleted?); run `kt-sft prepare` again on the model.")
         if settings.get("threads") or settings.get("kernels"):
             configure(threads=settings.get("threads") or None, kernels=settings.get("kernels") or None)
         if kwargs.get("attn_implementation"):

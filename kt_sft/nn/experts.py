@@ -132,6 +132,8 @@ class KTExperts(nn.Module):
         """
         if not isinstance(r, int) or isinstance(r, bool) or r < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {r!r}.")
+        if not math.isfinite(alpha):
+            raise ValueError(f"LoRA alpha must be a finite number, got {alpha!r}.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}.")
         unknown = set(projections) - set(PROJECTIONS)

@@ -110,8 +110,8 @@ def test_export_merges_the_adapter_into_a_stock_checkpoint(demo, lora_run):
 
 
 def test_kt_sft_merge_of_the_llamafactory_adapter_gives_its_logits(demo, lora_run):
-    from kt_sft.cli import main
-    assert main(["merge", str(demo / "prepared"), str(lora_run), str(demo / "kt_merged")]) == 0
+    from kt_sft.cli import run
+    assert run(["merge", str(demo / "prepared"), str(lora_run), str(demo / "kt_merged")]) == 0
     ids = torch.tensor([[1, 5, 9, 14, 20, 31]])
     adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
         demo / "prepared", trust_remote_code=True, dtype=torch.float32), lora_run)

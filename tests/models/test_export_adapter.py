@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from kt_sft.cli import main
+from kt_sft.cli import run
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
@@ -55,7 +55,7 @@ def per_expert_tree(peft_model, arch):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type, tmp_path):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
-    assert main(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
+    assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
     arch = architecture_of(peft_model.config)
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == sorted(["o_proj", *arch.checkpoint_projections])
@@ -84,10 +84,10 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
 
 def test_export_names_what_it_needs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
-        main(["export", str(tmp_path), str(tmp_path / "out")])
+        run(["export", str(tmp_path), str(tmp_path / "out")])
     _, model_dir = trained_adapter("qwen3_moe", tmp_path)
     with pytest.raises(FileNotFoundError, match="pass the model directory with --model"):
-        main(["export", str(tmp_path / "adapter"), str(tmp_path / "out")])
+        run(["export", str(tmp_path / "adapter"), str(tmp_path / "out")])
 
 
 def test_an_adapter_without_expert_lora_is_named(tmp_path):
@@ -97,4 +97,4 @@ def test_an_adapter_without_expert_lora_is_named(tmp_path):
     get_peft_model(model.requires_grad_(False), LoraConfig(r=4, target_modules=["o_proj"])).save_pretrained(
         tmp_path / "adapter")
     with pytest.raises(ValueError, match="holds no expert LoRA"):
-        main(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")])
+        run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")])

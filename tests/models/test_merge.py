@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from kt_sft.cli import main
+from kt_sft.cli import run
 from kt_sft.formats import fp8_block, int4_group
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.loader.checkpoint import Checkpoint
@@ -48,7 +48,7 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     (model_dir / "consolidated.00.pth").write_bytes(b"other weights")  # left out: they would be unmerged
     (model_dir / "original").mkdir()
-    assert main(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    assert run(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert rel_l2(merged(IDS).logits, peft_model(input_ids=IDS).logits) <= FP32_IO
@@ -63,7 +63,7 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt):  # noqa: F811
     prepared = tmp_path / "prepared"
-    assert main(["prepare", str(published[fmt]), str(prepared)]) == 0
+    assert run(["prepare", str(published[fmt]), str(prepared)]) == 0
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
     model = peft.get_peft_model(load(prepared).requires_grad_(False), config)
     model.save_pretrained(tmp_path / "adapter")
@@ -98,7 +98,7 @@ def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt)
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["quantization_config"]["quant_method"] == \
         json.loads((published[fmt] / "config.json").read_text())["quantization_config"]["quant_method"]
 
-    assert main(["prepare", str(tmp_path / "merged"), str(tmp_path / "reprepared")]) == 0
+    assert run(["prepare", str(tmp_path / "merged"), str(tmp_path / "reprepared")]) == 0
     with torch.no_grad():
         assert torch.isfinite(load(tmp_path / "reprepared")(IDS).logits).all()
 
@@ -120,7 +120,7 @@ def test_sharded_checkpoint_merges_across_shards(published, tmp_path):  # noqa: 
     src = tmp_path / "fp8"
     shutil.copytree(published["fp8"], src)
     reshard(src)
-    assert main(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
     model = peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config)
     model.save_pretrained(tmp_path / "adapter")
@@ -146,7 +146,7 @@ def test_sharded_checkpoint_merges_across_shards(published, tmp_path):  # noqa: 
 
 def test_composite_checkpoint_merges_its_text_model(published, tmp_path):  # noqa: F811
     src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
-    assert main(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
     model = peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config)
     model.save_pretrained(tmp_path / "adapter")

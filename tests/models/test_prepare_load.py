@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from kt_sft.cli import main
+from kt_sft.cli import run
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import CONFIGS, tiny_model
@@ -28,7 +28,7 @@ def saved(tmp_path):
 def test_prepared_model_loads_through_auto_class_and_matches(saved, tmp_path, model_type):
     stock, src = saved(model_type)
     out = tmp_path / "prepared"
-    assert main(["prepare", str(src), str(out), "--threads", "2"]) == 0
+    assert run(["prepare", str(src), str(out), "--threads", "2"]) == 0
     assert (out / "tokenizer_config.json").is_symlink()
     assert not list(out.glob("*.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
@@ -46,7 +46,7 @@ def test_missing_shard_is_named(saved, tmp_path):
     index = {"metadata": {}, "weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="lacks shard.*model-00002-of-00002"):
-        main(["prepare", str(src), str(tmp_path / "out")])
+        run(["prepare", str(src), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
@@ -56,7 +56,7 @@ def test_config_that_disagrees_with_weights_is_refused(saved, tmp_path):
     cfg["moe_intermediate_size"] = 48
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight has shape \[40, 64\] but config.json implies"):
-        main(["prepare", str(src), str(tmp_path / "out")])
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_unsupported_model_type_is_refused_before_reading_weights(tmp_path):
@@ -64,7 +64,7 @@ def test_unsupported_model_type_is_refused_before_reading_weights(tmp_path):
     transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                              intermediate_size=64, vocab_size=64).save_pretrained(src)
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
-        main(["prepare", str(src), str(tmp_path / "out")])
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_unprepared_directory_gives_the_fix(saved):
@@ -101,7 +101,7 @@ def test_kimi_k2_checkpoint_is_served_as_deepseek_v3(saved, tmp_path):
                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
     (src / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "prepared"
-    assert main(["prepare", str(src), str(out)]) == 0
+    assert run(["prepare", str(src), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == "deepseek_v3" and written["kt_sft"]["source_model_type"] == "kimi_k2"
     model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
@@ -113,7 +113,7 @@ def test_kimi_k2_checkpoint_is_served_as_deepseek_v3(saved, tmp_path):
 def test_step_profile_reports_where_training_steps_go(saved, tmp_path, monkeypatch, capsys):
     _, src = saved("qwen3_moe")
     out = tmp_path / "prepared"
-    assert main(["prepare", str(src), str(out)]) == 0
+    assert run(["prepare", str(src), str(out)]) == 0
     monkeypatch.setenv("KT_SFT_PROFILE", "2")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from kt_sft.cli import main
+from kt_sft.cli import run
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import dequantized_copy, kimi_k25_checkpoint, quantize_checkpoint
 from tiny_models import tiny_model
@@ -37,7 +37,7 @@ def published(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_published_quantized_checkpoint_loads_and_matches(published, tmp_path, fmt):
     out = tmp_path / "prepared"
-    assert main(["prepare", str(published[fmt]), str(out)]) == 0
+    assert run(["prepare", str(published[fmt]), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in written and written["kt_sft"]["expert_format"] == fmt
     model = load(out)
@@ -52,7 +52,7 @@ def test_published_quantized_checkpoint_loads_and_matches(published, tmp_path, f
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_bf16_checkpoint_quantized_at_load(published, tmp_path, fmt):
     out = tmp_path / "prepared"
-    assert main(["prepare", str(published["bf16"]), str(out), "--expert-format", fmt]) == 0
+    assert run(["prepare", str(published["bf16"]), str(out), "--expert-format", fmt]) == 0
     model = load(out)
     experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
     assert all(m.expert_format == fmt for m in experts)
@@ -69,7 +69,7 @@ def test_bf16_checkpoint_quantized_at_load(published, tmp_path, fmt):
 
 def test_fp8_checkpoint_dequantized_to_bf16_trains_fully(published, tmp_path):
     out = tmp_path / "prepared"
-    assert main(["prepare", str(published["fp8"]), str(out), "--expert-format", "bf16"]) == 0
+    assert run(["prepare", str(published["fp8"]), str(out), "--expert-format", "bf16"]) == 0
     model = load(out)
     experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
     assert all(m.expert_format == "bf16" and m.gate_up_proj.requires_grad for m in experts)
@@ -80,7 +80,7 @@ def test_fp8_checkpoint_dequantized_to_bf16_trains_fully(published, tmp_path):
 
 def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published, tmp_path):
     out = tmp_path / "prepared"
-    main(["prepare", str(published["fp8"]), str(out)])
+    run(["prepare", str(published["fp8"]), str(out)])
     model = load(out).train()
     with pytest.raises(ValueError, match="routed experts are quantized and cannot train"):
         model(IDS, labels=IDS)
@@ -105,7 +105,7 @@ def test_unsupported_quantization_is_named(published, tmp_path, qc, match):
     (published["bf16"] / "config.json").write_text(json.dumps(cfg))
     try:
         with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
-            main(["prepare", str(published["bf16"]), str(tmp_path / "out")])
+            run(["prepare", str(published["bf16"]), str(tmp_path / "out")])
     finally:
         cfg.pop("quantization_config")
         (published["bf16"] / "config.json").write_text(json.dumps(cfg))
@@ -119,14 +119,14 @@ def test_missing_scales_are_named(published, tmp_path):
     del state["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"]
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_inv"):
-        main(["prepare", str(src), str(tmp_path / "out")])
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path):
     """Kimi-K2.5 as published (quantized_checkpoints.kimi_k25_checkpoint): its text model is served."""
     src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
     out = tmp_path / "prepared"
-    assert main(["prepare", str(src), str(out)]) == 0
+    assert run(["prepare", str(src), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
     assert written["model_type"] == "deepseek_v3" and written["kt_sft"]["source_model_type"] == "kimi_k25"
     assert written["kt_sft"]["checkpoint_prefix"] == "language_model."
@@ -139,7 +139,7 @@ def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path
 
 def test_merging_into_quantized_experts_is_refused_and_unloading_keeps_them(published, tmp_path):
     out = tmp_path / "prepared"
-    main(["prepare", str(published["int4"]), str(out)])
+    run(["prepare", str(published["int4"]), str(out)])
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
     lora = peft.get_peft_model(load(out).requires_grad_(False), config)
     experts = [m for m in lora.modules() if isinstance(m, KTExpertsLinear)]

@@ -27,6 +27,24 @@ def test_thread_counts_give_identical_results():
             assert torch.equal(t, other[key]), f"{key} differs between thread counts"
 
 
+def test_thread_counts_out_of_range_are_refused_and_the_engine_keeps_running():
+    # 100000 had the pool start threads until the OS stalled the process (it never returned).
+    for threads in (100000, -1):
+        with pytest.raises(ValueError, match=rf"threads={threads} is out of range: the engine takes 0 .* to \d+"):
+            kt_sft.configure(threads=threads)
+    m = make_module(SHAPE, lora=True)
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        assert torch.isfinite(m(x, idx, w)).all()
+
+
+def test_lora_alpha_must_be_finite():
+    m = make_module(SHAPE, lora=False)
+    for alpha in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="LoRA alpha must be a finite number"):
+            m.add_lora(4, alpha)
+
+
 @pytest.mark.parametrize("threads", [2, 5], ids=["2_threads", "5_threads_oversubscribed"])
 def test_many_short_calls_in_a_row_repeat_their_results(threads):
     # Decode-sized calls back to back: pool threads take each job while spinning (without the pool's lock), or

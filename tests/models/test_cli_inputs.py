@@ -1,0 +1,132 @@
+"""What the command line does with bad input: every case ends in one sentence naming the problem and the fix,
+nothing the user saved is overwritten, and the installed `kt-sft` prints that sentence without a traceback."""
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from kt_sft.cli import main, run
+from test_export_adapter import trained_adapter
+
+
+@pytest.fixture
+def adapter(tmp_path):
+    """(model dir, adapter dir) of a tiny qwen3_moe with LoRA on its experts and o_proj (r=4)."""
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    return model_dir, tmp_path / "adapter"
+
+
+def with_config(adapter_dir, tmp_path, text):
+    """A copy of the adapter whose adapter_config.json holds `text`."""
+    other = tmp_path / "edited"
+    shutil.rmtree(other, ignore_errors=True)
+    shutil.copytree(adapter_dir, other)
+    (other / "adapter_config.json").write_text(text)
+    return other
+
+
+def config_with(adapter_dir, **changes):
+    return json.dumps({**json.loads((adapter_dir / "adapter_config.json").read_text()), **changes})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list, not an adapter configuration"),
+    ({"r": 0}, r"gives r = 0; a LoRA adapter's rank is a positive integer"),
+    ({"r": "4"}, r"gives r = '4'"),
+    ({"r": None}, r"gives r = None"),
+    ({"lora_alpha": None}, r"gives lora_alpha = None; it must be a finite number"),
+    ({"rank_pattern": [1]}, r"gives rank_pattern = \[1\]; PEFT saves it as an object"),
+], ids=["bad_json", "json_list", "r_zero", "r_string", "r_missing", "alpha_null", "rank_pattern_list"])
+@pytest.mark.parametrize("command", ["merge", "export"])
+def test_a_broken_adapter_config_is_named(adapter, tmp_path, text, message, command):
+    model_dir, adapter_dir = adapter
+    other = with_config(adapter_dir, tmp_path, text if isinstance(text, str) else config_with(adapter_dir, **text))
+    args = [str(model_dir), str(other)] if command == "merge" else [str(other)]
+    with pytest.raises(ValueError, match=message):
+        run([command, *args, str(tmp_path / "out"), *(["--model", str(model_dir)] if command == "export" else [])])
+    assert not (tmp_path / "out").exists()
+
+
+def test_null_patterns_read_as_none(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, rank_pattern=None, alpha_pattern=None))
+    assert run(["merge", str(model_dir), str(other), str(tmp_path / "merged")]) == 0
+    assert run(["export", str(other), str(tmp_path / "per_expert"), "--model", str(model_dir)]) == 0
+
+
+def test_merge_refuses_a_config_whose_rank_is_not_its_weights(adapter, tmp_path):
+    # PEFT refuses to load such an adapter; a merge with scaling alpha / 8 would halve every update silently.
+    model_dir, adapter_dir = adapter
+    other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, r=8))
+    with pytest.raises(ValueError, match=r"gives r = 8, but the LoRA on .* is A \[4, .*the config does not belong"):
+        run(["merge", str(model_dir), str(other), str(tmp_path / "out")])
+
+
+def test_merge_into_the_current_directory(adapter, tmp_path, monkeypatch):
+    model_dir, adapter_dir = adapter
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert run(["merge", str(model_dir), str(adapter_dir), "."]) == 0
+    assert (tmp_path / "here" / "model.safetensors").exists() and (tmp_path / "here" / "config.json").exists()
+    assert not list(tmp_path.glob(".*merging"))
+
+
+def test_merge_names_a_prepared_directory_whose_model_moved(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    assert run(["prepare", str(model_dir), str(tmp_path / "prepared")]) == 0
+    model_dir.rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match=r"was prepared from .*model, which has no config.json now"):
+        run(["merge", str(tmp_path / "prepared"), str(adapter_dir), str(tmp_path / "out")])
+
+
+def test_export_never_writes_over_an_existing_directory(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    before = {p.name: p.read_bytes() for p in adapter_dir.iterdir()}
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        run(["export", str(adapter_dir), str(adapter_dir), "--model", str(model_dir)])
+    with pytest.raises(FileExistsError, match="exists and is not empty"):
+        run(["export", str(adapter_dir), str(model_dir), "--model", str(model_dir)])
+    assert {p.name: p.read_bytes() for p in adapter_dir.iterdir()} == before
+
+
+def test_export_checks_the_adapter_against_its_model(adapter, tmp_path, monkeypatch):
+    model_dir, adapter_dir = adapter
+    _, mixtral_dir = trained_adapter("mixtral", tmp_path / "mixtral")
+    state = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    experts = next(t.shape[0] for k, t in state.items() if "experts.lora_A" in k)
+    cfg = json.loads((mixtral_dir / "config.json").read_text())
+    assert cfg["num_local_experts"] != experts  # the check below is the expert count's
+    with pytest.raises(ValueError, match=r"experts first\), but the model has .* export it with the model it was"):
+        run(["export", str(adapter_dir), str(tmp_path / "out"), "--model", str(mixtral_dir)])
+    # Without --model and with no base model named, the current directory's config.json is not taken for it.
+    monkeypatch.chdir(mixtral_dir)
+    with pytest.raises(FileNotFoundError, match="base_model_name_or_path is empty.*--model"):
+        run(["export", str(adapter_dir), str(tmp_path / "out")])
+    save_file(state, str(adapter_dir / "adapter_model.safetensors"))  # untouched by both
+
+
+def test_prepare_refuses_what_would_not_work(adapter, tmp_path):
+    model_dir, _ = adapter
+    with pytest.raises(ValueError, match="is inside the model directory"):
+        run(["prepare", str(model_dir), str(model_dir / "prepared")])
+    with pytest.raises(ValueError, match=r"--threads 100000 is out of range: the engine takes 0 .* to \d+ threads"):
+        run(["prepare", str(model_dir), str(tmp_path / "prepared"), "--threads", "100000"])
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file; choose a directory"):
+        run(["prepare", str(model_dir), str(tmp_path / "a_file")])
+    assert not (model_dir / "prepared").exists() and not (tmp_path / "prepared").exists()
+
+
+def test_the_installed_command_prints_the_sentence_without_a_traceback(adapter, tmp_path, capsys):
+    model_dir, adapter_dir = adapter
+    assert main(["merge", str(model_dir), str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kt-sft: ") and "has no adapter_config.json" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    (tmp_path / "broken").mkdir()
+    shutil.copy(adapter_dir / "adapter_config.json", tmp_path / "broken")
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"\x10\x00")
+    assert main(["merge", str(model_dir), str(tmp_path / "broken"), str(tmp_path / "out")]) == 2
+    assert "a safetensors file is damaged or incomplete" in capsys.readouterr().err
