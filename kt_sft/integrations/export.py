@@ -67,17 +67,17 @@ def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -
     return json.loads((Path(base) / "config.json").read_text())
 
 
-def check_stacked(key: str, t, model: dict) -> None:
-    """A stacked expert LoRA tensor [E, r, in] (A) or [E, out, r] (B) against the model's expert count and hidden
-    size (whichever of the architectures' names the config uses)."""
+def check_stacked(m: re.Match, t, model: dict) -> None:
+    """A stacked expert LoRA tensor (m: its STACKED_KEY match), [E, r, in] (A) or [E, out, r] (B), against the
+    model's expert count and hidden size (whichever of the architectures' names the config uses)."""
     text = model.get("text_config") or model
     experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
     H = text.get("hidden_size")
-    proj, ab = STACKED_KEY.match(key)["proj"], STACKED_KEY.match(key)["ab"]
+    proj, ab = m["proj"], m["ab"]
     width = t.shape[2] if ab == "A" else t.shape[1]
     hidden = width if (proj == "down") == (ab == "B") else None  # A of gate/up reads H; B of down writes it
     if (experts is not None and t.shape[0] != experts) or (hidden is not None and H is not None and hidden != H):
-        raise ValueError(f"the adapter's {key} is shaped {list(t.shape)} (experts first), but the model has {experts} "
+        raise ValueError(f"the adapter's {m.string} is shaped {list(t.shape)} (experts first), but the model has {experts} "
                          f"experts of hidden size {H}; export it with the model it was trained on (--model).")
 
 
@@ -108,7 +108,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
             out[key] = t
             continue
         stacked += 1
-        check_stacked(key, t, model)
+        check_stacked(m, t, model)
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
             out[f"{m['pre']}{arch.expert_module(int(m['layer']), e, proj)}.lora_{m['ab']}.weight"] = t[e].contiguous()
