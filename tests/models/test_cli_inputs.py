@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import transformers
 from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import main, run
@@ -73,12 +74,14 @@ def test_merge_into_the_current_directory(adapter, tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*merging"))
 
 
-def test_merge_names_a_prepared_directory_whose_model_moved(adapter, tmp_path):
+def test_a_prepared_directory_whose_model_moved_is_named(adapter, tmp_path):
     model_dir, adapter_dir = adapter
     assert run(["prepare", str(model_dir), str(tmp_path / "prepared")]) == 0
     model_dir.rename(tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match=r"was prepared from .*model, which has no config.json now"):
         run(["merge", str(tmp_path / "prepared"), str(adapter_dir), str(tmp_path / "out")])
+    with pytest.raises(FileNotFoundError, match=r"was prepared from .*model, which has no config.json now .* prepare"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
 
 
 def test_export_never_writes_over_an_existing_directory(adapter, tmp_path):
