@@ -17,8 +17,9 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from ..loader.checkpoint import open_safetensors
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS
 
@@ -102,7 +103,9 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
         raise ValueError("rank_pattern / alpha_pattern entries for the experts have no per-expert equivalent here; "
                          "export an adapter trained with one rank and alpha on the experts.")
     out, stacked = {}, 0
-    for key, t in load_file(str(adapter_dir / ADAPTER_WEIGHTS)).items():
+    with open_safetensors(adapter_dir / ADAPTER_WEIGHTS) as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    for key, t in tensors.items():
         m = STACKED_KEY.match(key)
         if m is None:
             out[key] = t

@@ -29,11 +29,10 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..formats import fp8_block, int4_group
-from ..loader.checkpoint import Checkpoint
+from ..loader.checkpoint import Checkpoint, open_safetensors
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -96,7 +95,7 @@ def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str
     scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
     arch = architecture_of(SimpleNamespace(model_type=model_type))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), "pt") as f:
+    with open_safetensors(adapter_dir / ADAPTER_WEIGHTS) as f:
         for key in f.keys():
             stacked, plain = STACKED_KEY.match(key), _PLAIN_KEY.match(key)
             if stacked:
@@ -199,7 +198,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
             shards.setdefault(shard, []).append(key)
         for n, (shard, keys) in enumerate(shards.items()):
             tensors = {}
-            with safe_open(str(source / shard), "pt") as f:
+            with open_safetensors(source / shard) as f:
                 metadata = f.metadata() or {"format": "pt"}
                 for key in keys:
                     weight = owner.get(key)

@@ -9,7 +9,17 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+
+def open_safetensors(path: Path):
+    """safe_open of a safetensors file, a damaged or incomplete one named in the error (the library's own message
+    says neither which file nor what to do)."""
+    try:
+        return safe_open(str(path), "pt")
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or incomplete: download or "
+                         "save it again.") from None
 
 
 class Checkpoint:
@@ -24,7 +34,7 @@ class Checkpoint:
         if index.exists():
             self.shard_of = dict(json.loads(index.read_text())["weight_map"])
         elif single.exists():
-            with safe_open(str(single), "pt") as f:
+            with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}
         else:
             raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; point at "
@@ -45,7 +55,7 @@ class Checkpoint:
     def _open(self, key: str):
         shard = self.shard_of[key]
         if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.dir / shard), "pt")
+            self._handles[shard] = open_safetensors(self.dir / shard)
         return self._handles[shard]
 
     def shape(self, key: str) -> tuple[int, ...]:

@@ -120,6 +120,9 @@ def test_prepare_refuses_what_would_not_work(adapter, tmp_path):
     with pytest.raises(FileExistsError, match="is a file; choose a directory"):
         run(["prepare", str(model_dir), str(tmp_path / "a_file")])
     assert not (model_dir / "prepared").exists() and not (tmp_path / "prepared").exists()
+    (model_dir / "model.safetensors").write_bytes(b"\x10\x00")  # a download cut short
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file .* download or save it"):
+        run(["prepare", str(model_dir), str(tmp_path / "prepared")])
 
 
 def test_the_installed_command_prints_the_sentence_without_a_traceback(adapter, tmp_path, capsys):
@@ -132,4 +135,4 @@ def test_the_installed_command_prints_the_sentence_without_a_traceback(adapter, 
     shutil.copy(adapter_dir / "adapter_config.json", tmp_path / "broken")
     (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"\x10\x00")
     assert main(["merge", str(model_dir), str(tmp_path / "broken"), str(tmp_path / "out")]) == 2
-    assert "a safetensors file is damaged or incomplete" in capsys.readouterr().err
+    assert "broken/adapter_model.safetensors is not a readable safetensors file" in capsys.readouterr().err
