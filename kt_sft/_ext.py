@@ -42,13 +42,21 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
     return (t.data_ptr(), _DTYPES[t.dtype], t.shape, t)
 
 
+def _thread_count(n, name: str = "threads") -> int:
+    """n, checked against the engine's range here too: a count past a C int would not reach its check."""
+    if not 0 <= int(n) <= _C.max_threads():
+        raise ValueError(f"{name}={n} is out of range: the engine takes 0 (one per CPU this process may use) to "
+                         f"{_C.max_threads()} threads; one per physical core is fastest.")
+    return int(n)
+
+
 def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None,
               tile_min_rows: int | None = None) -> None:
     """Sets the engine's thread count, kernel set, pinning and the rows an expert needs in a call to use the
     tile (AMX) kernels (0: the measured default); unspecified values keep their current setting."""
     cur = _C.capabilities()
     _C.configure(
-        cur["threads"] if threads is None else int(threads),
+        cur["threads"] if threads is None else _thread_count(threads),
         cur["pinned"] if pin is None else bool(pin),
         (cur["kernels"] or "") if kernels is None else kernels,
         cur["tile_min_rows"] if tile_min_rows is None else int(tile_min_rows),
@@ -88,7 +96,7 @@ def _configure_from_env() -> None:
         if threads and not threads.strip().isdigit():
             raise ValueError(f"KT_SFT_THREADS={threads!r} is not a whole number; set it to the engine's thread count "
                              "(0: one per CPU this process may use).")
-        _C.configure(int(threads or 0), pin != "0", kernels or "", 0)
+        _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pin != "0", kernels or "", 0)
 
 
 _configure_from_env()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import CONFIG_MAPPING, AutoConfig
 
-from .._ext import _C
+from .._ext import _thread_count
 from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
@@ -31,9 +31,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     source, out = Path(source).resolve(), Path(out)
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
-    if threads is not None and not 0 <= threads <= _C.max_threads():
-        raise ValueError(f"--threads {threads} is out of range: the engine takes 0 (one per CPU) to "
-                         f"{_C.max_threads()} threads; one per physical core is fastest.")
+    if threads is not None:
+        _thread_count(threads, "--threads")
     if out.resolve() == source or source in out.resolve().parents:
         raise ValueError(f"{out} is inside the model directory {source}; the prepared directory links to the model's "
                          "files, so put it elsewhere.")

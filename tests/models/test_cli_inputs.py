@@ -114,7 +114,7 @@ def test_prepare_refuses_what_would_not_work(adapter, tmp_path):
     model_dir, _ = adapter
     with pytest.raises(ValueError, match="is inside the model directory"):
         run(["prepare", str(model_dir), str(model_dir / "prepared")])
-    with pytest.raises(ValueError, match=r"--threads 100000 is out of range: the engine takes 0 .* to \d+ threads"):
+    with pytest.raises(ValueError, match=r"--threads=100000 is out of range: the engine takes 0 .* to \d+ threads"):
         run(["prepare", str(model_dir), str(tmp_path / "prepared"), "--threads", "100000"])
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(FileExistsError, match="is a file; choose a directory"):
