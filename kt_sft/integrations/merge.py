@@ -71,6 +71,10 @@ def source_of(model_dir: Path) -> tuple[Path, str, str]:
                                 "published checkpoint or its `kt-sft prepare` directory).")
     config = json.loads((model_dir / "config.json").read_text())
     settings = config.get(SETTINGS_KEY)
+    # A prepared directory holds no weights and points at its source; a model saved from a kt_sft-loaded one (a
+    # full fine-tune, an export) keeps the settings section beside weights of its own, which are the ones to merge.
+    own = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
+    settings = None if own else settings
     source = Path(settings["source"]) if settings else model_dir
     if settings and not (source / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} was prepared from {source}, which has no config.json now (moved or "

@@ -131,6 +131,18 @@ class _RefuseTrainingQuantizedBase:
             h.remove()
 
 
+def _refuse_saving(model, fmt: str) -> None:
+    """save_pretrained of a model with FP8/INT4 experts would write a checkpoint without them (they are buffers
+    outside the state dict) and report success: it raises instead. PEFT's save_pretrained of an adapter does not
+    go through it."""
+    def refuse(*args, **kwargs):
+        raise ValueError(f"this model's routed experts are {fmt.upper()} in the CPU engine, and save_pretrained would "
+                         "write a checkpoint without them; save the adapter instead, write a merged model with "
+                         "`kt-sft merge`, or load BF16 experts (`kt-sft prepare --expert-format bf16`) to save every "
+                         "weight.")
+    model.save_pretrained = refuse
+
+
 def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True,
                       expert_format: str | None = None, checkpoint_prefix: str = ""):
     """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
@@ -180,5 +192,6 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
                          "it does not hold a complete model.")
     if target != "bf16":
         _RefuseTrainingQuantizedBase(model)
+        _refuse_saving(model, target)
     attach_step_profile(model, profile_every())
     return model.eval()

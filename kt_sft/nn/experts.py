@@ -38,6 +38,11 @@ class ExpertWeight(nn.Parameter):
 
     @data.setter
     def data(self, value):
+        if value.dtype != torch.bfloat16:
+            warnings.warn("kt_sft: the routed experts' weights stay BF16 (the engine reads them in place), so full "
+                          "fine-tuning updates them without a float32 master copy: a step smaller than BF16's "
+                          "resolution (about 1/256 of a weight) is lost; LoRA keeps the base exact and trains in "
+                          "float32.", RuntimeWarning, stacklevel=2)
         with torch.no_grad():
             super().data.copy_(value)
 

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -136,3 +137,19 @@ def test_the_installed_command_prints_the_sentence_without_a_traceback(adapter, 
     (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"\x10\x00")
     assert main(["merge", str(model_dir), str(tmp_path / "broken"), str(tmp_path / "out")]) == 2
     assert "broken/adapter_model.safetensors is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_merge_takes_the_weights_of_a_model_saved_from_a_kt_sft_one(adapter, tmp_path):
+    # A full fine-tune's output keeps config.json's kt_sft section (its source: the model it started from) beside
+    # weights of its own: those are the ones to merge into, not the source's.
+    model_dir, adapter_dir = adapter
+    tuned = tmp_path / "tuned"
+    shutil.copytree(model_dir, tuned)
+    state = load_file(str(tuned / "model.safetensors"))
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 2
+    save_file(state, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tuned / "config.json").read_text())
+    (tuned / "config.json").write_text(json.dumps({**cfg, "kt_sft": {"source": str(model_dir)}}))
+    assert run(["merge", str(tuned), str(adapter_dir), str(tmp_path / "merged")]) == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert torch.equal(merged["model.embed_tokens.weight"], state["model.embed_tokens.weight"])

@@ -91,6 +91,11 @@ def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published
     assert experts and all("default" in m.lora_A for m in experts)
     lora(input_ids=IDS, labels=IDS).loss.backward()
     assert all(m.lora_B["default"]["down"].grad.abs().sum() > 0 for m in experts)
+    lora.save_pretrained(tmp_path / "adapter")  # the adapter saves; a full save would write no experts (buffers
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()  # outside the state dict): refused
+    with pytest.raises(ValueError, match="routed experts are FP8 .* save_pretrained would write a checkpoint without"):
+        lora.unload().save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
 
 
 @pytest.mark.parametrize("qc, match", [
