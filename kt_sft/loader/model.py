@@ -20,6 +20,7 @@ from .._ext import profile_every
 from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.overlap import overlap_shared_experts
+from ..models.patch import accept_per_expert_weights
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
@@ -184,6 +185,8 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         setattr(model.get_submodule(parent), child, experts)
 
     overlap_shared_experts(model, arch.shared_experts)
+    if target == "bf16":
+        accept_per_expert_weights(model, arch)
     if config.tie_word_embeddings:
         model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]

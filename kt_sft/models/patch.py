@@ -5,10 +5,42 @@ streams expert shards straight into the engine instead of materializing them her
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .overlap import overlap_shared_experts
-from .registry import architecture_of
+from .registry import MoEArchitecture, architecture_of
+
+
+def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
+    """Lets load_state_dict fill the fused BF16 weights of the model's CPU experts from per-expert keys, the layout
+    save_pretrained writes (`…experts.{e}.gate_proj.weight`, Mixtral's `…block_sparse_moe.experts.{e}.w1…`).
+    The Trainer resumes a full fine-tune with load_state_dict(strict=False) of that file, which otherwise skipped
+    the experts with a warning and went on from their original weights (the stock fused model does the same).
+    The hook sits on the model itself: a child's load sees only the keys under its own (renamed) path. Other keys
+    the checkpoint names differently (Mixtral's router, `block_sparse_moe.gate`) take the module's names too."""
+    from ..peft.layer import KTExpertsLinear
+
+    def hook(state_dict, prefix, *args):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            renamed = arch.module_key(key)
+            if renamed != key and renamed not in state_dict and ".experts." not in key:
+                state_dict[renamed] = state_dict.pop(key)
+        for name, module in model.named_modules(prefix=prefix.removesuffix(".")):
+            if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:
+                continue
+            stored = name + "."
+            for old, new in arch.key_renames:
+                stored = stored.replace(new, old)
+            names = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
+            if name + ".gate_up_proj" in state_dict or names[0].format(0) not in state_dict:
+                continue
+            E = module.gate_up_proj.shape[0]
+            state_dict[name + ".gate_up_proj"] = torch.stack([
+                torch.cat([state_dict.pop(names[0].format(e)), state_dict.pop(names[1].format(e))]) for e in range(E)])
+            state_dict[name + ".down_proj"] = torch.stack([state_dict.pop(names[2].format(e)) for e in range(E)])
+
+    model._register_load_state_dict_pre_hook(hook)
 
 
 def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
@@ -33,4 +65,5 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
         raise ValueError(f"no {' / '.join(arch.experts_classes)} module found in this {config.model_type} model; "
                          "its transformers version may name the experts class differently.")
     overlap_shared_experts(model, arch.shared_experts)
+    accept_per_expert_weights(model, arch)
     return replaced

@@ -2,7 +2,9 @@
 BF16 param.grad), everything else from autograd. Compared with the stock model in float32."""
 import copy
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
@@ -31,3 +33,27 @@ def test_full_mode_gradients_match_stock_model():
         else:
             assert rel_l2(p.grad, ref) <= FP32_IO, name
     assert checked == 4  # gate_up_proj and down_proj of both MoE layers
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral saves experts as block_sparse_moe w1/w3/w2
+def test_full_fine_tune_resumes_with_its_trained_experts(model_type, tmp_path):
+    # The Trainer resumes with load_state_dict(strict=False) of what save_pretrained wrote (experts per expert): the
+    # trained expert weights must come back, not stay at the fresh model's.
+    model = tiny_model(model_type).train()
+    use_cpu_experts(model)
+    model.requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.save_pretrained(tmp_path)
+    fresh = tiny_model(model_type)
+    use_cpu_experts(fresh)
+    result = fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    trained = dict(model.named_parameters())
+    experts = [n for n, _ in fresh.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
+    assert len(experts) == 4
+    for name, p in fresh.named_parameters():
+        if name in experts:
+            assert torch.equal(p, trained[name]), name
