@@ -306,6 +306,13 @@ class KTExperts(nn.Module):
         return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
                                      self.gate_up_proj, self.down_proj, *lora)
 
+    def __deepcopy__(self, memo):
+        # The engine (C++) holds these experts' weights and state; a copy would need a second engine over a second
+        # copy of the weights. TRL's create_reference_model and PEFT's modules_to_save deep-copy modules.
+        raise TypeError("kt_sft's CPU experts cannot be deep-copied; for a reference model (DPO, KTO) use the model "
+                        "with its adapter disabled (TRL's default when ref_model is None with a PEFT model), or load "
+                        "the model a second time, and keep `experts` out of modules_to_save.")
+
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) and their LoRA live in CPU RAM for good: device and dtype
         # moves skip them.

@@ -38,6 +38,12 @@ def test_thread_counts_out_of_range_are_refused_and_the_engine_keeps_running():
         assert torch.isfinite(m(x, idx, w)).all()
 
 
+def test_deep_copy_is_refused_with_what_to_do_instead(module):
+    import copy
+    with pytest.raises(TypeError, match="cannot be deep-copied; for a reference model"):
+        copy.deepcopy(module)
+
+
 def test_lora_alpha_must_be_finite():
     m = make_module(SHAPE, lora=False)
     for alpha in (float("nan"), float("inf")):
