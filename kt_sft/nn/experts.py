@@ -22,8 +22,8 @@ from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
-from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, room_to_keep,
-                                setting_of)
+from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
+                                room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -235,7 +235,7 @@ class KTExperts(nn.Module):
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
         nothing stays kept. lora_params, lora: as the forward takes them (compared only when a pass is kept)."""
         kept = self.__dict__.pop("_kept", None)
-        if kept is None:
+        if kept is None or not recomputing():
             return None
         if matches(kept, xc, idx, w, setting_of(self, lora_params, lora)):
             self.__dict__["_kept_misses"] = 0

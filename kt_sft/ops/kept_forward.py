@@ -80,6 +80,14 @@ def room_to_keep(nbytes: int) -> bool:
     return False
 
 
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass, as gradient checkpointing's recompute does: only it may
+    take a kept pass. A grad forward outside backward (after a no-grad training-mode pass that no backward
+    followed, e.g. a logging pass) runs the engine, so weights changed through `.data` in between (which no
+    version counter sees) cannot be missed."""
+    return torch._C._current_graph_task_id() >= 0
+
+
 def setting_of(module, lora_params, lora) -> tuple:
     """What besides the inputs shapes a forward's result: lora (rank, scale, (dropout p, seed)) and the identity
     and version of every weight it reads."""

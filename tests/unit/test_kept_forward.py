@@ -13,6 +13,13 @@ from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 SHAPE = Shape("typical", T=40, H=64, I=48, E=8, K=2)
 
 
+@pytest.fixture(autouse=True)
+def recompute_outside_backward(monkeypatch):
+    """These tests run the recompute as a plain grad forward; only a forward inside backward may take a kept pass
+    (tests/models/test_gradient_checkpointing.py runs the real one, and the last test here the refusal)."""
+    monkeypatch.setattr("kt_sft.nn.experts.recomputing", lambda: True)
+
+
 def first_pass(m, x, idx, w):
     with torch.no_grad():
         return m(x, idx, w)
@@ -197,3 +204,20 @@ def test_inputs_match_bit_for_bit():
     assert not same(torch.zeros(4), -torch.zeros(4)), "−0 and +0 are other inputs to the engine"
     assert same(torch.full((4,), float("nan")), torch.full((4,), float("nan")))
     assert not same(torch.zeros(4), torch.zeros(2, 2)) and not same(torch.zeros(4), torch.zeros(4).double()[:4])
+
+
+def test_only_a_recompute_inside_backward_takes_the_kept_pass(monkeypatch):
+    # A no-grad training-mode pass (a logging pass) that no backward followed, weights changed through `.data`
+    # (no version counter sees it), then a grad forward on the same inputs: it must run the engine.
+    monkeypatch.undo()
+    x, idx, w, g = inputs(SHAPE)
+    m = fresh()
+    first_pass(m, x, idx, w)
+    m.lora_B["default"]["up"].data.add_(0.01)
+    got = run_engine(m, x, idx, w, g)
+    twin = fresh()
+    twin.load_state_dict(m.state_dict())
+    expected = run_engine(twin, x, idx, w, g)
+    for k, v in expected.items():
+        assert (v is None and got[k] is None) or torch.equal(v, got[k]), k
+
