@@ -143,15 +143,12 @@ def run(argv=None) -> int:
 
 def main(argv=None) -> int:
     """`kt-sft`: errors from what the user gave (paths, files, settings) print their one sentence, without a
-    traceback, and exit with status 2; anything else keeps its traceback."""
-    from safetensors import SafetensorError
-
+    traceback, and exit with status 2 (a damaged safetensors file among them: loader.checkpoint.open_safetensors
+    names it); anything else keeps its traceback."""
     try:
         return run(argv)
     except (ValueError, OSError) as e:
         print(f"kt-sft: {e}", file=sys.stderr)
-    except SafetensorError as e:
-        print(f"kt-sft: a safetensors file is damaged or incomplete ({e}); download or save it again.", file=sys.stderr)
     return 2
 
 

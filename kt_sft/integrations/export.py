@@ -57,6 +57,12 @@ def adapter_config(adapter_dir: Path) -> dict:
     return config
 
 
+def require_new_dir(out_dir: Path, what: str) -> None:
+    """out_dir may be written: missing, or an empty directory (never over what a user saved there)."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for {what}.")
+
+
 def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
     """The config.json of the model the adapter was trained on: model_dir's, else the adapter's
     base_model_name_or_path's (never the current directory's when that is empty)."""
@@ -86,9 +92,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     """Writes out_dir/adapter_config.json and out_dir/adapter_model.safetensors in the per-expert layout."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     config = adapter_config(adapter_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for the per-expert adapter "
-                              "(writing over a saved adapter would lose it).")
+    require_new_dir(out_dir, "the per-expert adapter (writing over a saved adapter would lose it)")
     model = base_config(adapter_dir, config, model_dir)
     model_type = model.get("model_type")
     if composite_prefix(model_type):

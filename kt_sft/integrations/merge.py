@@ -36,7 +36,7 @@ from ..loader.checkpoint import Checkpoint, open_safetensors
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config
+from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, require_new_dir
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -182,8 +182,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     total, shard) is called after each shard is written (a large model's merge takes hours)."""
     source, prefix, model_type = source_of(Path(model_dir))
     out_dir = Path(out_dir).resolve()  # "." has no name to put the temporary directory beside it under
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for the merged model.")
+    require_new_dir(out_dir, "the merged model")
     if out_dir.resolve() == source.resolve():
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     updates = adapter_updates(Path(adapter_dir), model_type, prefix)
