@@ -76,14 +76,20 @@ struct GemmNN {
 };
 
 // Tile (AMX) products for BF16 activations. The activations are rounded to BF16 once per call into one of
-// two layouts, and every weight block of the call loads them from there in place. Both layouts hold
-// tile_rows(M) rows of tile_ld(K) columns (zeros in the padding), so one offset serves either:
-//   nt ("pair-major"): blocks of 16 rows × 32 columns, block (m/16, k/32) at ((m/16)·tile_ld(K)/32 + k/32)·512,
-//      inside it element (m, k) at ((k%32)/2)·32 + (m%16)·2 + k%2: the tile unit's B-operand layout, so the
-//      weights can be the A operand and load straight from their rows (dot form, x·Wᵀ).
-//   nn ("row-major"): element (m, k) at m·tile_ld(K) + k: the A-operand layout (axpy form, dy·W).
+// two layouts, and every weight block of the call loads them from there in place. Both hold tile_rows(M) rows
+// (zeros in the padding):
+//   nt ("pair-major"): tile_ld(K) columns in blocks of 16 rows × 32 columns, block (m/16, k/32) at
+//      ((m/16)·tile_ld(K)/32 + k/32)·512, inside it element (m, k) at ((k%32)/2)·32 + (m%16)·2 + k%2: the tile
+//      unit's B-operand layout, so the weights can be the A operand and load straight from their rows (dot
+//      form, x·Wᵀ).
+//   nn ("row-major"): element (m, k) at m·nn_ld(K) + k, zeros up to tile_ld(K): the A-operand layout (axpy
+//      form, dy·W).
 inline long tile_rows(long M) { return (M + 15) / 16 * 16; }
 inline long tile_ld(long K) { return (K + 31) / 32 * 32; }
+// Rows whose stride is a multiple of 4 KB put all 16 rows of an A tile in one L1 set (12 ways), so every tile
+// load misses L1: such rows get one more 32-column block (never read). At the DeepSeek-V3 layer (I = 2048) the
+// backward's dx ran 14% faster per FLOP with I = 2016 than 2048 (BENCHMARKS.md).
+inline long nn_ld(long K) { return tile_ld(K) % 2048 ? tile_ld(K) : tile_ld(K) + 32; }
 
 // What the thread of a tile product computes next, as bytes the product requests into L2 while its tile
 // products run (`rows` runs of `len` bytes, `stride` bytes apart, from p; none when rows is 0): the next
@@ -112,7 +118,7 @@ struct TileNT {
 constexpr long kPanelBytes = 1L << 20;
 
 // C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout. The reduction may go on over more
-// segments, each with its own A operand (nn layout, tile_ld of its K per row) and B rows read from column b_off:
+// segments, each with its own A operand (nn layout, nn_ld of its K per row) and B rows read from column b_off:
 // a second matrix of B's format (`second`), then float32 rows times their own scale (`f32`, LoRA's A), so
 // that one product sums what would take several passes over C.
 template <class TB>
@@ -141,8 +147,8 @@ struct TileNN {
 
 struct TileKernels {
   // Columns [k0, k0 + klen) of an [M, K] matrix (row m at a.at(m), column k at a.at(m)[k]) rounded to BF16
-  // into dst, which holds the layout's tile_rows(M) × tile_ld(K); rows past M get zeros, and the call
-  // whose columns end at K also zero-fills the columns up to tile_ld(K). k0 is a multiple of 32.
+  // into dst, which holds the layout's tile_rows(M) rows; rows past M get zeros, and the call whose columns end
+  // at K also zero-fills the columns up to tile_ld(K). k0 is a multiple of 32.
   void (*pack_nt)(int M, int K, long k0, long klen, Rows<float> a, bf16* dst);
   void (*pack_nn)(int M, int K, long k0, long klen, Rows<float> a, bf16* dst);
   void (*nt_bf16)(const TileNT<bf16>&);

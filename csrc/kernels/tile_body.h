@@ -99,7 +99,7 @@ void pack_nt(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
 }
 
 void pack_nn(int M, int K, long k0, long klen, kt::Rows<float> a, bf16* dst) {
-  const long ld = kt::tile_ld(K), kend = pack_end(K, k0, klen);
+  const long ld = kt::nn_ld(K), kend = pack_end(K, k0, klen);
   for (long m = 0; m < kt::tile_rows(M); ++m)
     for (long k = k0; k < kend; k += TC) _mm512_storeu_si512(dst + m * ld + k, row_pairs(M, k0, klen, a, m, k));
 }
@@ -311,9 +311,9 @@ void tile_nn(const TileNN<TB>& g) {
   Segment seg[4];
   int nseg = 0, KC = 0;
   auto add = [&](int source, const bf16* a, int K) {
-    const long ld = kt::tile_ld(K);
-    seg[nseg++] = {source, K, KC, int(ld / TC), a, ld};
-    KC += int(ld / TC);
+    const int blocks = int(kt::tile_ld(K) / TC);
+    seg[nseg++] = {source, K, KC, blocks, a, kt::nn_ld(K)};
+    KC += blocks;
   };
   add(0, g.a, g.K);
   if (g.second.a) add(1, g.second.a, g.second.K);

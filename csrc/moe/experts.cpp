@@ -177,9 +177,12 @@ struct TilePlan {
   std::vector<long> row0;  // [E + 1]
   bool on(int e) const { return row0[e + 1] > row0[e]; }
   long rows() const { return row0.back(); }
-  // Expert e's rows in a tile buffer of `cols` columns (the layouts' tile_ld(cols) per row).
+  // Expert e's rows in a tile buffer of `cols` columns: the nt layout's tile_ld(cols) per row, the nn layout's
+  // nn_ld(cols).
   template <class T>
   T* at(T* buf, int e, long cols) const { return buf + row0[e] * tile_ld(cols); }
+  template <class T>
+  T* at_nn(T* buf, int e, long cols) const { return buf + row0[e] * nn_ld(cols); }
 };
 
 // Output columns of a backward axpy-form work item (dy·W, reduction over K weight rows) of expert e. On the
@@ -211,21 +214,22 @@ TilePlan plan_tiles(const Saved& sv, int E, const KernelSet& ks, bool bf16_act, 
 // forward) run on the tile unit with BF16 operands and float32 sums, as stock PEFT runs them under bf16
 // autocast (with LoRA dropout, on operands masked in float32 first: the *_dropped_on_tiles functions). The
 // LoRA matrices are rounded to BF16 as the kernels read them, the rank-space rows (z = x·Aᵀ, wz = dy·B) once
-// per call into the layouts of kernels.h: [tile_rows(n), tile_ld(r)] per expert (`rank_at`: nt in the forward
-// for down's z·Bᵀ, nn in the backward for wz·A), and transposed (`rank_t_at`: [tile_rows(r), tile_ld(n)]) as
+// per call into the layouts of kernels.h: [tile_rows(n), r] per expert (`rank_at`: nt in the forward for down's
+// z·Bᵀ; `rank_nn_at`: nn in the backward for wz·A), and transposed (`rank_t_at`: nn, [tile_rows(r), n]) as
 // the A operand of the LoRA grads, which reduce over the rows. In float32 at Layer Q these products took a
 // quarter of a training step (BENCHMARKS.md).
 struct RankTiles {
   const TilePlan& tp;
   int r;
   bf16* rank_at(bf16* buf, int e) const { return tp.at(buf, e, r); }
-  // tile_ld(n) ≤ tile_rows(n) + 16, so expert e's transposed block fits at row0[e] + 16·e columns.
-  bf16* rank_t_at(bf16* buf, int e) const { return buf + tile_rows(r) * (tp.row0[e] + 16L * e); }
-  static size_t rank_elems(const TilePlan& tp, int r) { return size_t(tp.rows()) * tile_ld(r); }
-  static size_t rank_t_elems(const TilePlan& tp, int r, int E) { return size_t(tile_rows(r)) * (tp.rows() + 16L * E); }
+  bf16* rank_nn_at(bf16* buf, int e) const { return tp.at_nn(buf, e, r); }
+  // nn_ld(n) ≤ tile_rows(n) + 48, so expert e's transposed block fits at row0[e] + 48·e columns.
+  bf16* rank_t_at(bf16* buf, int e) const { return buf + tile_rows(r) * (tp.row0[e] + 48L * e); }
+  static size_t rank_elems(const TilePlan& tp, int r) { return size_t(tp.rows()) * nn_ld(r); }
+  static size_t rank_t_elems(const TilePlan& tp, int r, int E) { return size_t(tile_rows(r)) * (tp.rows() + 48L * E); }
 };
 
-// dst (nn layout, [tile_rows(r), tile_ld(n)]) = the transpose of an expert's n rank-space rows z [n, r], row m
+// dst (nn layout, [tile_rows(r), n]) = the transpose of an expert's n rank-space rows z [n, r], row m
 // times kscale[m] when given.
 void pack_rank_transposed(const TileKernels& tk, int n, int r, const float* z, const float* kscale, bf16* dst) {
   thread_local std::vector<float> t;
@@ -361,7 +365,7 @@ void lora_in_grad_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, c
   const int ch = chunk_rows(buf_floats, cols) / 16 * 16;  // ≥ 64, as above
   for (int m0 = 0; m0 < n; m0 += ch) {
     const int mc = std::min(ch, n - m0);
-    run_tile(tk, TileNN<float>{mc, cols, r, wt + long(m0) * tile_ld(r), lora_a(lora, p, e, in), col0, buf, cols, false,
+    run_tile(tk, TileNN<float>{mc, cols, r, wt + long(m0) * nn_ld(r), lora_a(lora, p, e, in), col0, buf, cols, false,
                                {}, lora.scale});
     for (int m = 0; m < mc; ++m)
       ks.lora_dropout(dropout_key(lora, p, sv, e, m0 + m), col0, cols, lora.dropout.p, buf + long(m) * cols,
@@ -531,9 +535,9 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
                 // BF16 activations in the tile layouts (kernel set amx): x or dout, h or dg and du
-                + (N + 15 * E) * (tile_ld(H) + 2 * tile_ld(I)) / 2
+                + (N + 15 * E) * (nn_ld(H) + 2 * nn_ld(I)) / 2
                 // LoRA's rank-space rows in BF16 (RankTiles): three per expert row, six transposed
-                + (3 * (N + 15 * E) * tile_ld(r) + 6 * tile_rows(r) * (N + 31 * E)) / 2);
+                + (3 * (N + 15 * E) * nn_ld(r) + 6 * tile_rows(r) * (N + 63 * E)) / 2);
 }
 
 std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
@@ -780,9 +784,9 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
   const bool lora_on[3] = {!lora.A[GATE].empty(), !lora.A[UP].empty(), !lora.A[DOWN].empty()};
   const TilePlan tp = plan_tiles(sv, E_, ks, x.dtype == DType::bf16, rt.tile_min_rows());
-  bf16* DT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
-  bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
-  bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * tile_ld(I)) : nullptr;
+  bf16* DT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * nn_ld(H)) : nullptr;
+  bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * nn_ld(I)) : nullptr;
+  bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * nn_ld(I)) : nullptr;
   // For experts whose LoRA runs on tiles (RankTiles): wz in the nn layout (WT), and transposed the A operands
   // of the LoRA grads: wz (with the routing weight for down) for dA (WZ_T), z (likewise) for dB (Z_T).
   const RankTiles rk{tp, r};
@@ -802,16 +806,16 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const int n = rows_of(sv, e);
     float* z = wz[p] + sv.offset[e] * r;
     run_tile(*tp.tk, TileNN<float>{n, r, int(K), dy, lora_b(lora, p, e, K, 0), 0, z, r, false, {}});
-    tp.tk->pack_nn(n, r, 0, r, Rows<float>{nullptr, z, r}, rk.rank_at(WT[p], e));
+    tp.tk->pack_nn(n, r, 0, r, Rows<float>{nullptr, z, r}, rk.rank_nn_at(WT[p], e));
   };
   // c += s·(wz·A)[:, col0, col0 + cols): the gradient of projection p's LoRA input (in columns of it).
   auto lora_in_grad_of = [&](int p, int e, long in, long col0, int cols, float* c, long ldc, int ith) {
     const int n = rows_of(sv, e);
     if (tp.on(e) && lora.dropout.on())
-      lora_in_grad_dropped_on_tiles(*tp.tk, ks, lora, p, sv, e, rk.rank_at(WT[p], e), in, col0, cols, c, ldc,
+      lora_in_grad_dropped_on_tiles(*tp.tk, ks, lora, p, sv, e, rk.rank_nn_at(WT[p], e), in, col0, cols, c, ldc,
                                     per_thread + ith * tile, tile);
     else if (tp.on(e))
-      run_tile(*tp.tk, TileNN<float>{n, cols, r, rk.rank_at(WT[p], e), lora_a(lora, p, e, in), col0, c, ldc, true, {},
+      run_tile(*tp.tk, TileNN<float>{n, cols, r, rk.rank_nn_at(WT[p], e), lora_a(lora, p, e, in), col0, c, ldc, true, {},
                                      s});
     else
       lora_in_grad(ks, lora, p, sv, e, wz[p] + sv.offset[e] * r, in, col0, cols, c, ldc, per_thread + ith * tile, tile);
@@ -821,8 +825,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int n = rows_of(sv, int(e));
     if (tp.on(int(e))) {
-      tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at(DT, int(e), H));
-      if (lora_on[DOWN]) rank_grad_on_tiles(DOWN, int(e), tp.at(DT, int(e), H), H);
+      tp.tk->pack_nn(n, int(H), 0, H, gathered(drows, sv, int(e)), tp.at_nn(DT, int(e), H));
+      if (lora_on[DOWN]) rank_grad_on_tiles(DOWN, int(e), tp.at_nn(DT, int(e), H), H);
       return;
     }
     for (int p = 0; p < 3; ++p)
@@ -858,7 +862,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     float* c = P + sv.offset[e] * I + i0;
     with_rows(e, DOWN, 0, [&](const auto& rows) {
       if (tp.on(e))
-        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at(DT, e, H), rows, i0, c, I, false,
+        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at_nn(DT, e, H), rows, i0, c, I, false,
                                  next_it >= 0 ? panel_of(next_it, DOWN, I, H, 2) : Upcoming{}));
       else
         run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
@@ -874,8 +878,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       ks.silu_mul_backward(ib, G + o, U + o, P + o, dG + o, dU + o);
     }
     if (tp.on(e)) {  // dg, du of these columns in the tile layout for dx, from cache too
-      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at(GT, e, I));
-      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dU, sv, e, I), tp.at(UT, e, I));
+      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at_nn(GT, e, I));
+      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dU, sv, e, I), tp.at_nn(UT, e, I));
     }
   });
 
@@ -900,7 +904,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       const bf16* dgu_t[2] = {GT, UT};
       for (int p = GATE; p <= UP; ++p)
         if (lora_on[p] && tp.on(int(e)))
-          rank_grad_on_tiles(p, int(e), tp.at(dgu_t[p], int(e), I), I);
+          rank_grad_on_tiles(p, int(e), tp.at_nn(dgu_t[p], int(e), I), I);
         else if (lora_on[p])
           ks.gemm_nt_f32({n, r, int(I), slot_rows(dgu[p], sv, int(e), I),
                           {nullptr, bt[p] + e * r * I, I}, wz[p] + sv.offset[e] * r, r, 1.f, false});
@@ -938,10 +942,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         with_rows(e, UP, 0, [&](const auto& up) {
           // One format per expert: the rows are always of one type (the check only prunes instantiations).
           if constexpr (std::is_same_v<std::decay_t<decltype(gate)>, std::decay_t<decltype(up)>>) {
-            auto g = tile_nn(n, hb, int(I), tp.at(GT, e, I), gate, h0, c, H, false, next);
-            g.second = {tp.at(UT, e, I), up, int(I)};
+            auto g = tile_nn(n, hb, int(I), tp.at_nn(GT, e, I), gate, h0, c, H, false, next);
+            g.second = {tp.at_nn(UT, e, I), up, int(I)};
             for (int p = GATE; p <= UP; ++p)
-              if (lora_on[p]) g.f32[p] = {rk.rank_at(WT[p], e), lora_a(lora, p, e, H), r, s};
+              if (lora_on[p]) g.f32[p] = {rk.rank_nn_at(WT[p], e), lora_a(lora, p, e, H), r, s};
             run_tile(*tp.tk, g);
           }
         });
@@ -957,7 +961,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                                            : Upcoming{};
       with_rows(e, p, 0, [&](const auto& rows) {
         if (tp.on(e))
-          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at(dgu_t[p], e, I), rows, h0, c, H, p == UP, next));
+          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at_nn(dgu_t[p], e, I), rows, h0, c, H, p == UP, next));
         else
           run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });
@@ -1025,7 +1029,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                           gr.dA[DOWN].as<float>() + long(e) * r * I + c0, I, gr.acc_A[DOWN]);
           break;
         case dB_DOWN:
-          grad_on_tiles(e, rk.rank_t_at(Z_T[DOWN], e), Rows<bf16>{nullptr, tp.at(DT, e, H), tile_ld(H)}, c0, cb, tmp,
+          grad_on_tiles(e, rk.rank_t_at(Z_T[DOWN], e), Rows<bf16>{nullptr, tp.at_nn(DT, e, H), nn_ld(H)}, c0, cb, tmp,
                         cb, false);
           transpose(tmp, r, cb, gr.dB[DOWN].as<float>() + (long(e) * H + c0) * r, gr.acc_B[DOWN]);
           break;
@@ -1039,7 +1043,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                             gr.dA[q].as<float>() + long(e) * r * H + c0, H, gr.acc_A[q]);
           break;
         case dB_GU:
-          grad_on_tiles(e, rk.rank_t_at(Z_T[p], e), Rows<bf16>{nullptr, tp.at(dgu_t[p], e, I), tile_ld(I)}, c0, cb, tmp,
+          grad_on_tiles(e, rk.rank_t_at(Z_T[p], e), Rows<bf16>{nullptr, tp.at_nn(dgu_t[p], e, I), nn_ld(I)}, c0, cb, tmp,
                         cb, false);
           transpose(tmp, r, cb, gr.dB[p].as<float>() + (long(e) * I + c0) * r, gr.acc_B[p]);
           break;

@@ -142,10 +142,15 @@ def tiles(request):
 # multiples of 16/32 the in-place weight loads, and reductions long enough that the axpy form's panels outgrow
 # kPanelBytes and are reduced in chunks: the backward's weight panels (dout·Wd over H, dx over 2I and LoRA's
 # ranks), and the weight grads' activation panels of an expert with over 2048 rows (a reduction over its rows).
+# Rows of the nn layout 4 KB apart get a padding block (kernels.h nn_ld): activation grads of H = I = 2048, and
+# two experts of 2048 rows each, whose transposed rank-space blocks lie side by side.
 @pytest.mark.parametrize("shape", SHAPES + [Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2),
                                             Shape("chunked_panels", T=40, H=2100, I=2100, E=2, K=1, r=4),
                                             Shape("chunked_row_reduction", T=2100, H=256, I=256, E=2, K=1, r=4,
-                                                  routing="one")],
+                                                  routing="one"),
+                                            Shape("nn_rows_4k_apart", T=40, H=2048, I=2048, E=2, K=1, r=4),
+                                            Shape("rank_rows_4k_apart", T=2048, H=64, I=64, E=3, K=2, r=4,
+                                                  routing="few")],
                          ids=lambda s: s.name)
 def test_bf16_activations_on_tiles(tiles, shape):
     m = make_module(shape, lora=True)
