@@ -257,6 +257,12 @@ class KTExperts(nn.Module):
             raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
                                "them in place, so update them in place (param.data.copy_(...) or an optimizer step) "
                                "instead of assigning new tensors.")
+        for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+            if t.is_meta:
+                raise ValueError(f"{name} is a meta tensor (shape only, no data); the CPU experts compute on real "
+                                 "values: run the model after its weights are loaded, not under init_empty_weights "
+                                 "or device='meta'.")
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; the experts need "
                              f"[T, {self.hidden_size}].")

@@ -126,9 +126,11 @@ def module():
         (lambda x, i, w: (x, torch.where(i == i[0, 0], 8, i), w), r"expert id 8 .* \[0, 8\)"),
         (lambda x, i, w: (x, torch.where(i == i[0, 0], -1, i), w), r"expert id -1"),
         (lambda x, i, w: (x, i, w.long()), "floating-point"),
+        (lambda x, i, w: (x.to("meta"), i, w), "hidden_states is a meta tensor"),
+        (lambda x, i, w: (x, i, w.to("meta")), "top_k_weights is a meta tensor"),
     ],
     ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "negative_index",
-         "int_weights"],
+         "int_weights", "meta_hidden", "meta_weights"],
 )
 def test_bad_inputs_raise_clear_errors(module, mutate, match):
     x, idx, w, _ = inputs(SHAPE)
