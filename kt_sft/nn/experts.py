@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import _C, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
@@ -27,10 +28,23 @@ from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, k
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
+# Optimizer steps taken in this process (torch.optim's global post-step hook, installed with the first float32
+# master): a fused optimizer updates parameters without bumping their version counters.
+_optimizer_steps = [0]
+_step_hook = []
+
+
+def _count_step(optimizer, args, kwargs):
+    _optimizer_steps[0] += 1
+
+
 class ExpertWeight(nn.Parameter):
-    """A BF16 expert weight the engine reads in place. Assigning `.data` (as trainers do to upcast trainable
-    parameters) copies the values into the existing storage instead of swapping it, so the engine's view of the
-    weights stays valid; the dtype stays BF16."""
+    """A BF16 expert weight the engine reads in place. A trainer's upcast of trainable parameters
+    (`p.data = p.data.float()`: LLaMA-Factory's full fine-tuning unless pure_bf16) gives it a float32 master copy,
+    as it gives any other parameter: the parameter (what the optimizer updates; its grad float32) becomes that
+    copy, and the BF16 weights the engine reads are rounded from it before the first forward after it changes
+    (`sync`: after an optimizer step or an in-place change of the parameter). Any other assignment copies the
+    values into the existing storage, so the engine's view of the weights stays valid."""
 
     @property
     def data(self):
@@ -38,13 +52,40 @@ class ExpertWeight(nn.Parameter):
 
     @data.setter
     def data(self, value):
-        if value.dtype != torch.bfloat16:
-            warnings.warn("kt_sft: the routed experts' weights stay BF16 (the engine reads them in place), so full "
-                          "fine-tuning updates them without a float32 master copy: a step smaller than BF16's "
-                          "resolution (about 1/256 of a weight) is lost; LoRA keeps the base exact and trains in "
-                          "float32.", RuntimeWarning, stacklevel=2)
+        if value.dtype == torch.float32 and self.dtype == torch.bfloat16:
+            if value.shape != self.shape:
+                raise ValueError(f"an expert weight of shape {tuple(self.shape)} cannot take a value of shape "
+                                 f"{tuple(value.shape)}; copy values of its own shape into it.")
+            if not _step_hook:
+                _step_hook.append(register_optimizer_step_post_hook(_count_step))
+            self.__dict__["_working"] = super().data  # the engine's BF16 weights, from now on rounded from the master
+            self.__dict__["_synced"] = None
+            torch._C.TensorBase.data.__set__(self, value.detach().to("cpu").contiguous())
+            return
+        if value.dtype not in (torch.bfloat16, torch.float32):
+            warnings.warn(f"kt_sft: a {value.dtype} value given to a routed expert weight is copied into its "
+                          f"{self.dtype} storage (the engine reads the weights in place).", RuntimeWarning,
+                          stacklevel=2)
         with torch.no_grad():
             super().data.copy_(value)
+
+    def engine_tensor(self) -> torch.Tensor:
+        """The BF16 weights the engine reads: this parameter, or the copy rounded from its float32 master."""
+        return self.__dict__.get("_working", self)
+
+    def sync(self) -> None:
+        """Rounds a float32 master into the engine's BF16 weights if it changed since they were last rounded."""
+        working = self.__dict__.get("_working")
+        state = (self._version, _optimizer_steps[0])
+        if working is not None and self.__dict__["_synced"] != state:
+            with torch.no_grad():
+                working.copy_(self)
+            self.__dict__["_synced"] = state
+
+
+def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """What the engine reads for an expert weight (a plain tensor: itself)."""
+    return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
 class KTExperts(nn.Module):
@@ -56,7 +97,7 @@ class KTExperts(nn.Module):
             self._init_quantized(gate_up_proj, train_base)
         else:
             self._init_bf16(gate_up_proj, down_proj, train_base)
-        self._engine_weights = (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr())
+        self._engine_weights = self._weights_read()
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
@@ -98,11 +139,20 @@ class KTExperts(nn.Module):
         self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
                                 view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
 
+    def _weights_read(self) -> tuple[int, int]:
+        return engine_tensor(self.gate_up_proj).data_ptr(), engine_tensor(self.down_proj).data_ptr()
+
+    def _sync_weights(self) -> None:
+        for weight in (self.gate_up_proj, self.down_proj):
+            if isinstance(weight, ExpertWeight):
+                weight.sync()
+
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 parameters, or the
+        """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 weights, or the
         quantized weights dequantized (exactly) to float32."""
         if self.expert_format == "bf16":
-            return self.gate_up_proj, self.down_proj
+            self._sync_weights()
+            return engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
         return self.quantized_weights().dequantize()
 
     def quantized_weights(self) -> QuantizedExperts:
@@ -170,7 +220,8 @@ class KTExperts(nn.Module):
     def merge_lora(self, adapter: str, sign: float = 1.0, check_finite: bool = False) -> None:
         """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
         one expert at a time in float32, each weight rounded once to BF16 (so taking it back restores the weights
-        to within that rounding, as PEFT's unmerge of a BF16 layer does). check_finite: every expert's merged
+        to within that rounding, as PEFT's unmerge of a BF16 layer does; into a float32 master, when the weights
+        have one, without that rounding). check_finite: every expert's merged
         weights are checked before any is written, so a NaN/Inf in the adapter leaves the weights untouched."""
         if self.expert_format != "bf16":
             raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
@@ -184,7 +235,7 @@ class KTExperts(nn.Module):
 
         def merged(p, e):
             w = self.projection_weight(p, e)
-            return w, torch.addmm(w.float(), B[p][e].float(), A[p][e].float(), alpha=scale).to(torch.bfloat16)
+            return w, torch.addmm(w.float(), B[p][e].float(), A[p][e].float(), alpha=scale).to(w.dtype)
 
         with torch.no_grad():
             for write in ((False, True) if check_finite else (True,)):
@@ -253,7 +304,7 @@ class KTExperts(nn.Module):
         return param.grad
 
     def _check(self, hidden_states, top_k_index, top_k_weights):
-        if (self.gate_up_proj.data_ptr(), self.down_proj.data_ptr()) != self._engine_weights:
+        if self._weights_read() != self._engine_weights:
             raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
                                "them in place, so update them in place (param.data.copy_(...) or an optimizer step) "
                                "instead of assigning new tensors.")
@@ -285,6 +336,7 @@ class KTExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden_states, top_k_index, top_k_weights)
+        self._sync_weights()
         adapter = self.active_lora()
         lora = self.lora_params(adapter)
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)

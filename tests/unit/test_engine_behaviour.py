@@ -219,13 +219,50 @@ def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(modul
     with torch.no_grad():
         before = module(x, idx, w)
         ptr = module.down_proj.data_ptr()
-        with pytest.warns(RuntimeWarning, match="stay BF16 .* without a float32 master copy"):
-            module.down_proj.data = module.down_proj.data.float()  # trainers upcast trainable params like this
+        module.down_proj.data = module.down_proj.data * 1  # same values, another tensor: copied in
         assert module.down_proj.dtype == torch.bfloat16 and module.down_proj.data_ptr() == ptr
         assert torch.equal(module(x, idx, w), before)
+        half = module.gate_up_proj.data.half()
+        with pytest.warns(RuntimeWarning, match="float16 value given to a routed expert weight is copied"):
+            module.gate_up_proj.data = half
+        assert torch.equal(module.gate_up_proj.data, half.bfloat16())
     module.down_proj = torch.nn.Parameter(module.down_proj.detach().clone())
     with pytest.raises(RuntimeError, match="replaced by other tensors"):
         module(x, idx, w)
+
+
+@pytest.mark.parametrize("optimizer", ["foreach", "fused", "for_loop"])
+def test_upcast_gives_the_experts_a_float32_master(optimizer):
+    """A trainer's upcast (`p.data = p.data.float()`) makes the parameter a float32 master that the optimizer
+    updates; the engine reads BF16 weights rounded from it before the next forward, whatever the optimizer
+    (a fused one bumps no version counter), and updates far below BF16's resolution add up in the master."""
+    m = make_module(SHAPE, lora=False, train_base=True)
+    x, idx, w, g = inputs(SHAPE)
+    with torch.no_grad():
+        before = m(x, idx, w)
+    engine_ptrs = m._weights_read()
+    for p in (m.gate_up_proj, m.down_proj):
+        p.data = p.data.float()
+    assert m.gate_up_proj.dtype == m.down_proj.dtype == torch.float32
+    assert m._weights_read() == engine_ptrs
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), before)
+    opt = torch.optim.SGD([m.gate_up_proj, m.down_proj], lr=1.0, **{optimizer: True} if optimizer != "for_loop" else
+                          {"foreach": False})
+    start = m.down_proj.detach().clone()
+    for _ in range(40):  # each step adds 2^-12 of the weights: every one below BF16's resolution (2^-8)
+        m.gate_up_proj.grad = m.gate_up_proj.detach() * -2**-12
+        m.down_proj.grad = m.down_proj.detach() * -2**-12
+        opt.step()
+    assert not torch.equal(m.down_proj.detach().bfloat16(), start.bfloat16())
+    ref = kt_sft.KTExperts(m.gate_up_proj.detach().bfloat16(), m.down_proj.detach().bfloat16())
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), ref(x, idx, w))
+    m.zero_grad(set_to_none=True)
+    m(x.clone().requires_grad_(), idx, w).backward(g)
+    assert m.gate_up_proj.grad.dtype == m.down_proj.grad.dtype == torch.float32
+    expected = run_engine(ref.requires_grad_(True), x, idx, w, g)
+    assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
 
 
 def test_non_contiguous_grad_output_is_copied_and_kept_alive(module):
