@@ -44,7 +44,9 @@ class ExpertWeight(nn.Parameter):
     as it gives any other parameter: the parameter (what the optimizer updates; its grad float32) becomes that
     copy, and the BF16 weights the engine reads are rounded from it before the first forward after it changes
     (`sync`: after an optimizer step or an in-place change of the parameter). Any other assignment copies the
-    values into the existing storage, so the engine's view of the weights stays valid."""
+    values into the existing storage, so the engine's view of the weights stays valid. In-place writes through
+    `.data` (`p.data.copy_(v)`) reach a master unseen until the next optimizer step: write `p.copy_(v)` under
+    torch.no_grad(), or assign `p.data = v`."""
 
     @property
     def data(self):
@@ -67,7 +69,7 @@ class ExpertWeight(nn.Parameter):
                           f"{self.dtype} storage (the engine reads the weights in place).", RuntimeWarning,
                           stacklevel=2)
         with torch.no_grad():
-            super().data.copy_(value)
+            self.copy_(value)  # on the parameter itself, whose version counter then tells sync and kept passes
 
     def engine_tensor(self) -> torch.Tensor:
         """The BF16 weights the engine reads: this parameter, or the copy rounded from its float32 master."""
@@ -306,8 +308,8 @@ class KTExperts(nn.Module):
     def _check(self, hidden_states, top_k_index, top_k_weights):
         if self._weights_read() != self._engine_weights:
             raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
-                               "them in place, so update them in place (param.data.copy_(...) or an optimizer step) "
-                               "instead of assigning new tensors.")
+                               "them in place, so update them in place (param.copy_(...) under torch.no_grad(), param.data = "
+                               "..., or an optimizer step) instead of assigning new tensors.")
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
             if t.is_meta:
@@ -336,8 +338,8 @@ class KTExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         self._check(hidden_states, top_k_index, top_k_weights)
+        adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
-        adapter = self.active_lora()
         lora = self.lora_params(adapter)
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
         # LoRA dropout in training mode, with a seed drawn from torch's RNG: gradient checkpointing restores the

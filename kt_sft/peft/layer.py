@@ -23,7 +23,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from ..nn.experts import KTExperts
+from ..nn.experts import KTExperts, engine_tensor
 
 # KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
 WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")
@@ -155,6 +155,11 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
         if self.expert_format == "bf16":
-            return KTExperts(self.gate_up_proj, self.down_proj, train_base=self.gate_up_proj.requires_grad,
-                             check_finite=self.check_finite)
+            gate_up, down = self.gate_up_proj, self.down_proj
+            experts = KTExperts(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
+                                check_finite=self.check_finite)
+            for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
+                if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
+                    new.data = old.data
+            return experts
         return KTExperts(self.quantized_weights(), check_finite=self.check_finite)

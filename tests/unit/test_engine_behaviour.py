@@ -258,11 +258,38 @@ def test_upcast_gives_the_experts_a_float32_master(optimizer):
     ref = kt_sft.KTExperts(m.gate_up_proj.detach().bfloat16(), m.down_proj.detach().bfloat16())
     with torch.no_grad():
         assert torch.equal(m(x, idx, w), ref(x, idx, w))
+    new = m.down_proj.detach().bfloat16() * 0.5
+    m.down_proj.data = new  # copied into the master, then rounded for the engine
+    ref.down_proj.data = new
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), ref(x, idx, w))
     m.zero_grad(set_to_none=True)
     m(x.clone().requires_grad_(), idx, w).backward(g)
     assert m.gate_up_proj.grad.dtype == m.down_proj.grad.dtype == torch.float32
     expected = run_engine(ref.requires_grad_(True), x, idx, w, g)
     assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_float32_master_under_peft_merge_disable_and_unload():
+    """A forward with adapters disabled unmerges them from the master first, then runs on weights rounded from
+    it; unloading keeps the same master over the same BF16 weights."""
+    from kt_sft.peft.layer import KTExpertsLinear
+    shape = replace(SHAPE, r=4)
+    base = make_module(shape, lora=False, train_base=True)
+    m = KTExpertsLinear(base.gate_up_proj.detach().clone(), base.down_proj.detach().clone())
+    m.update_layer("default", 4, 8, init_lora_weights=False)
+    for p in (m.gate_up_proj, m.down_proj):
+        p.data = p.data.float()
+    x, idx, w, _ = inputs(shape)
+    with torch.no_grad():
+        plain = base(x, idx, w)
+        m.merge()
+        m._disable_adapters = True
+        assert torch.equal(m(x, idx, w), plain)
+    unloaded = m.unload_and_optionally_merge_module(False, False, None)
+    assert unloaded._weights_read() == m._weights_read()
+    assert unloaded.gate_up_proj.dtype == torch.float32
+    assert unloaded.gate_up_proj.data_ptr() == m.gate_up_proj.data_ptr()
 
 
 def test_non_contiguous_grad_output_is_copied_and_kept_alive(module):
