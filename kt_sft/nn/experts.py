@@ -40,12 +40,13 @@ def _count_step(optimizer, args, kwargs):
 
 class ExpertWeight(nn.Parameter):
     """A BF16 expert weight the engine reads in place. A trainer's upcast of trainable parameters
-    (`p.data = p.data.float()`: LLaMA-Factory's full fine-tuning unless pure_bf16) gives it a float32 master copy,
-    as it gives any other parameter: the parameter (what the optimizer updates; its grad float32) becomes that
-    copy, and the BF16 weights the engine reads are rounded from it before the first forward after it changes
-    (`sync`: after an optimizer step or an in-place change of the parameter). Any other assignment copies the
-    values into the existing storage, so the engine's view of the weights stays valid. In-place writes through
-    `.data` (`p.data.copy_(v)`) reach a master unseen until the next optimizer step: write `p.copy_(v)` under
+    (`p.data = p.data.float()`: LLaMA-Factory's full fine-tuning unless pure_bf16) gives a trainable one a float32
+    master copy, as it gives any other parameter: the parameter (what the optimizer updates; its grad float32)
+    becomes that copy, and the BF16 weights the engine reads are rounded from it before the first forward after
+    it changes (`sync`: after an optimizer step or an in-place change of the parameter). Any other assignment
+    copies the values into the existing storage (a frozen weight's upcast too: a master it never trains would
+    only take RAM), so the engine's view of the weights stays valid. In-place writes through `.data`
+    (`p.data.copy_(v)`) reach a master unseen until the next optimizer step: write `p.copy_(v)` under
     torch.no_grad(), or assign `p.data = v`."""
 
     @property
@@ -54,7 +55,7 @@ class ExpertWeight(nn.Parameter):
 
     @data.setter
     def data(self, value):
-        if value.dtype == torch.float32 and self.dtype == torch.bfloat16:
+        if value.dtype == torch.float32 and self.dtype == torch.bfloat16 and self.requires_grad:
             if value.shape != self.shape:
                 raise ValueError(f"an expert weight of shape {tuple(self.shape)} cannot take a value of shape "
                                  f"{tuple(value.shape)}; copy values of its own shape into it.")

@@ -270,13 +270,24 @@ def test_upcast_gives_the_experts_a_float32_master(optimizer):
     assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
 
 
+def test_frozen_expert_weights_take_no_float32_master(module):
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        before = module(x, idx, w)
+    ptr = module.down_proj.data_ptr()
+    module.down_proj.data = module.down_proj.data.float()  # as a blanket upcast of every parameter would
+    assert module.down_proj.dtype == torch.bfloat16 and module.down_proj.data_ptr() == ptr
+    with torch.no_grad():
+        assert torch.equal(module(x, idx, w), before)
+
+
 def test_float32_master_under_peft_merge_disable_and_unload():
     """A forward with adapters disabled unmerges them from the master first, then runs on weights rounded from
     it; unloading keeps the same master over the same BF16 weights."""
     from kt_sft.peft.layer import KTExpertsLinear
     shape = replace(SHAPE, r=4)
     base = make_module(shape, lora=False, train_base=True)
-    m = KTExpertsLinear(base.gate_up_proj.detach().clone(), base.down_proj.detach().clone())
+    m = KTExpertsLinear(base.gate_up_proj.detach().clone(), base.down_proj.detach().clone(), train_base=True)
     m.update_layer("default", 4, 8, init_lora_weights=False)
     for p in (m.gate_up_proj, m.down_proj):
         p.data = p.data.float()
