@@ -1,7 +1,7 @@
 """End to end through the stock `llamafactory-cli` (0.9.5, no forks, no use_kt): the demo checkpoint is
 prepared, LoRA-trained (attention + every routed expert on the CPU engine), resumed from a checkpoint on
-the same loss curve, chatted with, exported with the adapter merged (by LLaMA-Factory and by `kt-sft merge`), and
-fully fine-tuned."""
+the same loss curve, chatted with, exported with the adapter merged (by LLaMA-Factory and by `kt-sft merge`),
+fully fine-tuned, and DPO-trained."""
 import json
 import os
 import re
@@ -17,7 +17,7 @@ from peft import PeftModel
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from kt_sft.integrations.demo import ANSWER, write_demo
+from kt_sft.integrations.demo import ANSWER, QUESTIONS, write_demo
 from tolerances import MERGED_BF16, rel_l2
 
 # The CLI of this interpreter's environment first (a venv need not be on PATH).
@@ -156,3 +156,27 @@ def test_full_finetuning_resumes_onto_the_same_experts(demo, full_run):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_dpo_with_lora_on_the_experts_starts_at_the_reference_and_learns(demo):
+    # TRL's DPO with a PEFT model takes the reference log-probs with the adapter disabled: with LoRA B at zero the
+    # policy is exactly the reference at the first step (loss ln 2, rewards 0), and the experts' LoRA then trains.
+    data = demo / "pref_data"
+    data.mkdir()
+    rows = [{"instruction": q, "chosen": ANSWER, "rejected": "I am a large language model."} for q in QUESTIONS]
+    (data / "pref.json").write_text(json.dumps(rows))
+    (data / "dataset_info.json").write_text(json.dumps({"kt_pref": {
+        "file_name": "pref.json", "ranking": True,
+        "columns": {"prompt": "instruction", "chosen": "chosen", "rejected": "rejected"}}}))
+    out = demo / "run_dpo"
+    run(["train", str(write_yaml(demo / "dpo.yaml", demo / "train.yaml", output_dir=str(out), stage="dpo",
+                                 dataset="kt_pref", dataset_dir=str(data), pref_beta=0.1, learning_rate=1e-3,
+                                 lr_scheduler_type="constant", warmup_steps=0, max_steps=8, logging_steps=1))],
+        demo)
+    log = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    first, last = log[0], log[-1]
+    assert abs(first["loss"] - 0.6931472) < 1e-5 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0, first
+    assert last["rewards/margins"] > 0 and last["loss"] < 0.5 * first["loss"], last
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        b = [f.get_tensor(k) for k in f.keys() if k.endswith("mlp.experts.lora_B.gate")]
+    assert b and all(t.abs().sum() > 0 for t in b), "the experts' LoRA trained"
