@@ -142,13 +142,19 @@ class KTExperts(nn.Module):
         self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
                                 view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
 
+    # Both run on every forward; until some expert weight in the process takes a float32 master (which installs
+    # the step hook) they cost a decode step no more than reading the two pointers.
     def _weights_read(self) -> tuple[int, int]:
-        return engine_tensor(self.gate_up_proj).data_ptr(), engine_tensor(self.down_proj).data_ptr()
+        gate_up, down = self._parameters.get("gate_up_proj"), self._parameters.get("down_proj")
+        if gate_up is None or down is None or _step_hook:
+            gate_up, down = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
+        return gate_up.data_ptr(), down.data_ptr()
 
     def _sync_weights(self) -> None:
-        for weight in (self.gate_up_proj, self.down_proj):
-            if isinstance(weight, ExpertWeight):
-                weight.sync()
+        if _step_hook:
+            for weight in (self.gate_up_proj, self.down_proj):
+                if isinstance(weight, ExpertWeight):
+                    weight.sync()
 
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 weights, or the
