@@ -344,7 +344,8 @@ void tile_nn(const TileNN<TB>& g) {
     if (left > TR) _mm512_storeu_si512(dst + long(ch) * TBLK, _mm512_permutex2var_epi16(w0, pair_hi, w1));
   };
   // Rows k, k + 1 of a segment's B (K rows; null past K) into their tile row of panel slot kc, 32 columns (one
-  // 64-byte load per row) at a time: at the DeepSeek-V3 layer the backward ~6-10% faster than 16-column loads.
+  // 64-byte load per row) at a time: the backward 4-11% faster than 16-column loads at Layer Q and the
+  // DeepSeek-V3 layer on AMX (BENCHMARKS.md).
   auto pack_pair = [&](int kc, long k, const bf16* r0, const bf16* r1) {
     bf16* dst = pair_row(kc, k);
     for (long c = 0; c < g.N; c += TC, dst += 2L * ch * TBLK) {
