@@ -83,6 +83,24 @@ def profile_every() -> int:
                          "line every N training forwards, or 0 for none.") from None
 
 
+def require_one_process() -> None:
+    """Refuses a distributed launch before any expert is read: kt_sft keeps the routed experts once, in this
+    process's CPU RAM, next to one GPU. torchrun / accelerate (and LLaMA-Factory, which starts one process per
+    visible GPU) would load them in every process, and DistributedDataParallel takes no module with CPU
+    parameters; DeepSpeed ZeRO-3 partitions parameters, which the CPU engine reads in place."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(f"this is one of {world} processes of a distributed launch, but kt_sft trains with one "
+                         "process and one GPU (the routed experts live once in its CPU RAM); run a single process, "
+                         "e.g. CUDA_VISIBLE_DEVICES=0 llamafactory-cli train <yaml> (LLaMA-Factory starts one "
+                         "process per visible GPU).")
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    if is_deepspeed_zero3_enabled():
+        raise ValueError("DeepSpeed ZeRO-3 partitions every parameter, but kt_sft's CPU engine reads the routed "
+                         "experts in place; remove the deepspeed setting (the experts' weights and optimizer state "
+                         "already live in CPU RAM).")
+
+
 def recompute_experts() -> bool:
     """KT_SFT_RECOMPUTE_EXPERTS=1: read on every call, so that it can change between runs in one process."""
     return os.environ.get("KT_SFT_RECOMPUTE_EXPERTS") == "1"

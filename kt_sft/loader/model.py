@@ -16,7 +16,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from .._ext import profile_every
+from .._ext import profile_every, require_one_process
 from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.overlap import overlap_shared_experts
@@ -150,6 +150,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     'fp8' or 'int4' (default: the checkpoint's own format). train_base: BF16 expert weights are trainable
     parameters (full fine-tuning); quantized experts never are. checkpoint_prefix: the weight-key prefix of the
     text model in a composite checkpoint (Kimi-K2.5: "language_model.")."""
+    require_one_process()
     arch = architecture_of(config)
     ckpt = Checkpoint(source, checkpoint_prefix)
     fmt = source_format(source)

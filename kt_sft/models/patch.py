@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._ext import require_one_process
 from .overlap import overlap_shared_experts
 from .registry import MoEArchitecture, architecture_of
 
@@ -48,6 +49,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     the shared experts of each such block while the engine runs (models/overlap.py); returns how many."""
     from ..peft.layer import KTExpertsLinear
 
+    require_one_process()
     config = getattr(model, "config", None)
     arch = architecture_of(config)
     act = getattr(config, "hidden_act", "silu")

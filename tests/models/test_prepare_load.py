@@ -139,3 +139,15 @@ def test_bad_step_profile_setting_is_named(monkeypatch):
     monkeypatch.setenv("KT_SFT_PROFILE", "often")
     with pytest.raises(ValueError, match="KT_SFT_PROFILE"):
         profile_every()
+
+
+def test_a_distributed_launch_is_refused_before_loading(saved, tmp_path, monkeypatch):
+    # LLaMA-Factory starts one process per visible GPU (torchrun): each would load every routed expert into RAM.
+    from kt_sft.models import use_cpu_experts
+    _, src = saved("qwen3_moe")
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one of 2 processes of a distributed launch.*CUDA_VISIBLE_DEVICES=0"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
+    with pytest.raises(ValueError, match="distributed launch"):
+        use_cpu_experts(tiny_model("qwen3_moe"))
