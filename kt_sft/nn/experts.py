@@ -230,8 +230,8 @@ class KTExperts(nn.Module):
         """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
         one expert at a time in float32, each weight rounded once to BF16 (so taking it back restores the weights
         to within that rounding, as PEFT's unmerge of a BF16 layer does; into a float32 master, when the weights
-        have one, without that rounding). check_finite: every expert's merged
-        weights are checked before any is written, so a NaN/Inf in the adapter leaves the weights untouched."""
+        have one, without that rounding). check_finite: every expert's merged weights are checked before any is
+        written, so a NaN/Inf in the adapter leaves the weights untouched."""
         if self.expert_format != "bf16":
             raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
                              "adapter separate (kt_sft serves it unmerged), write a merged checkpoint in the published "
@@ -315,8 +315,8 @@ class KTExperts(nn.Module):
     def _check(self, hidden_states, top_k_index, top_k_weights):
         if self._weights_read() != self._engine_weights:
             raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
-                               "them in place, so update them in place (param.copy_(...) under torch.no_grad(), param.data = "
-                               "..., or an optimizer step) instead of assigning new tensors.")
+                               "them in place, so update them in place (param.copy_(...) under torch.no_grad(), "
+                               "param.data = ..., or an optimizer step) instead of assigning new tensors.")
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
             if t.is_meta:
