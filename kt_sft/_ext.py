@@ -88,8 +88,13 @@ def require_one_process() -> None:
     process's CPU RAM, next to one GPU. torchrun / accelerate (and LLaMA-Factory, which starts one process per
     visible GPU) would load them in every process, and DistributedDataParallel takes no module with CPU
     parameters; DeepSpeed ZeRO-3 partitions parameters, which the CPU engine reads in place."""
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
+    try:
+        world = int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = max(world, torch.distributed.get_world_size())
+    if world > 1:
         raise ValueError(f"this is one of {world} processes of a distributed launch, but kt_sft trains with one "
                          "process and one GPU (the routed experts live once in its CPU RAM); run a single process, "
                          "e.g. CUDA_VISIBLE_DEVICES=0 llamafactory-cli train <yaml> (LLaMA-Factory starts one "

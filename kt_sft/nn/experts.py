@@ -45,20 +45,22 @@ class ExpertWeight(nn.Parameter):
     becomes that copy, and the BF16 weights the engine reads are rounded from it before the first forward after
     it changes (`sync`: after an optimizer step or an in-place change of the parameter). Any other assignment
     copies the values into the existing storage (a frozen weight's upcast too: a master it never trains would
-    only take RAM), so the engine's view of the weights stays valid. In-place writes through `.data`
-    (`p.data.copy_(v)`) reach a master unseen until the next optimizer step: write `p.copy_(v)` under
-    torch.no_grad(), or assign `p.data = v`."""
+    only take RAM), so the engine's view of the weights stays valid; a value of another shape is refused."""
 
     @property
     def data(self):
-        return super().data
+        # A master's `.data` shares the parameter's version counter, so that writes through it (`p.data.copy_`,
+        # optimizers and weight averaging that work on `.data`) reach the engine at the next forward like the
+        # optimizer's own. The engine's autograd function saves no weights for backward, so no version check
+        # of autograd's trips over it.
+        return self.detach() if "_working" in self.__dict__ else super().data
 
     @data.setter
     def data(self, value):
+        if value.shape != self.shape:  # copy_ would broadcast a smaller value over every expert
+            raise ValueError(f"an expert weight of shape {tuple(self.shape)} cannot take a value of shape "
+                             f"{tuple(value.shape)}; copy values of its own shape into it.")
         if value.dtype == torch.float32 and self.dtype == torch.bfloat16 and self.requires_grad:
-            if value.shape != self.shape:
-                raise ValueError(f"an expert weight of shape {tuple(self.shape)} cannot take a value of shape "
-                                 f"{tuple(value.shape)}; copy values of its own shape into it.")
             if not _step_hook:
                 _step_hook.append(register_optimizer_step_post_hook(_count_step))
             self.__dict__["_working"] = super().data  # the engine's BF16 weights, from now on rounded from the master

@@ -263,11 +263,30 @@ def test_upcast_gives_the_experts_a_float32_master(optimizer):
     ref.down_proj.data = new
     with torch.no_grad():
         assert torch.equal(m(x, idx, w), ref(x, idx, w))
+    m.down_proj.data.mul_(0.5)  # through .data, as weight averaging and some optimizers write
+    ref.down_proj.data.mul_(0.5)
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), ref(x, idx, w))
+    for value in (m.down_proj.detach()[0], m.down_proj.detach()[0].bfloat16(), torch.tensor(0.0)):
+        with pytest.raises(ValueError, match="cannot take a value of shape"):
+            m.down_proj.data = value  # copy_ would broadcast it over every expert
     m.zero_grad(set_to_none=True)
     m(x.clone().requires_grad_(), idx, w).backward(g)
     assert m.gate_up_proj.grad.dtype == m.down_proj.grad.dtype == torch.float32
     expected = run_engine(ref.requires_grad_(True), x, idx, w, g)
     assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, refused", [("2", True), (" 2", True), ("1", False), ("", False), ("abc", False),
+                                            ("\u00b2", False)])
+def test_a_distributed_launch_is_refused(monkeypatch, world, refused):
+    from kt_sft._ext import require_one_process
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if refused:
+        with pytest.raises(ValueError, match="distributed launch"):
+            require_one_process()
+    else:
+        require_one_process()
 
 
 def test_frozen_expert_weights_take_no_float32_master(module):
