@@ -183,7 +183,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     source, prefix, model_type = source_of(Path(model_dir))
     out_dir = Path(out_dir).resolve()  # "." has no name to put the temporary directory beside it under
     require_new_dir(out_dir, "the merged model")
-    if out_dir.resolve() == source.resolve():
+    if out_dir == source.resolve():
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     updates = adapter_updates(Path(adapter_dir), model_type, prefix)
     ckpt = Checkpoint(source)

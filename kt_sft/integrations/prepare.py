@@ -33,7 +33,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
     if threads is not None:
         _thread_count(threads, "--threads")
-    if out.resolve() == source or source in out.resolve().parents:
+    resolved = out.resolve()
+    if resolved == source or source in resolved.parents:
         raise ValueError(f"{out} is inside the model directory {source}; the prepared directory links to the model's "
                          "files, so put it elsewhere.")
     if out.exists() and not out.is_dir():
