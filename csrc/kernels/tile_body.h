@@ -326,8 +326,15 @@ void tile_nn(const TileNN<TB>& g) {
   };
   const int CH = int(std::min<long>(KC, std::max<long>(1, kt::kPanelBytes / (np * TBYTES))));
   int c0 = 0, ch = CH;  // the chunk being reduced: reduction blocks [c0, c0 + ch), panel slots [0, ch)
+  // Block column j of the panel starts at j · cs: its ch blocks of 1 KB and one cache line more. A pair of weight
+  // rows is stored into every block column; ch KB apart (a multiple of 4 KB in any chunk of 4, 8, .. blocks)
+  // those N/16 stores would fall in one L1 set (64 sets of 12 lines) and miss there. At the DeepSeek-V3 layer,
+  // T = 512, the backward measured ~15% faster with the line (Layer Q, T = 2048: ~5%; BENCHMARKS.md).
+  constexpr long kLine = TC;
+  auto column_stride = [&] { return long(ch) * TBLK + kLine; };
+  long cs = column_stride();
   thread_local std::vector<bf16> panel, decoded;
-  panel.resize(np * CH * TC);
+  panel.resize((np / TR) * cs);
   decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns:
   // two-source permutes of row k's (first operand) and row k + 1's (second) values, pair_lo's element i taking
@@ -341,14 +348,14 @@ void tile_nn(const TileNN<TB>& g) {
   // only where the panel has it (more than 16 columns left).
   auto store_pair = [&](bf16* dst, __m512i w0, __m512i w1, long left) {
     _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(w0, pair_lo, w1));
-    if (left > TR) _mm512_storeu_si512(dst + long(ch) * TBLK, _mm512_permutex2var_epi16(w0, pair_hi, w1));
+    if (left > TR) _mm512_storeu_si512(dst + cs, _mm512_permutex2var_epi16(w0, pair_hi, w1));
   };
   // Rows k, k + 1 of a segment's B (K rows; null past K) into their tile row of panel slot kc, 32 columns (one
   // 64-byte load per row) at a time: the backward 4-11% faster than 16-column loads at Layer Q and the
   // DeepSeek-V3 layer on AMX (BENCHMARKS.md).
   auto pack_pair = [&](int kc, long k, const bf16* r0, const bf16* r1) {
     bf16* dst = pair_row(kc, k);
-    for (long c = 0; c < g.N; c += TC, dst += 2L * ch * TBLK) {
+    for (long c = 0; c < g.N; c += TC, dst += 2 * cs) {
       const __mmask32 mask = first32(g.N - c);
       store_pair(dst, r0 ? _mm512_maskz_loadu_epi16(mask, r0 + c) : _mm512_setzero_si512(),
                  r1 ? _mm512_maskz_loadu_epi16(mask, r1 + c) : _mm512_setzero_si512(), g.N - c);
@@ -360,7 +367,7 @@ void tile_nn(const TileNN<TB>& g) {
   auto pack_decoded_pair = [&](const auto& b, int K, int kc, long k) {
     bf16* dst = pair_row(kc, k);
     const auto r0 = cursor<Simd>(b, std::min<long>(k, K - 1)), r1 = cursor<Simd>(b, std::min<long>(k + 1, K - 1));
-    for (long c = 0; c < g.N; c += TC, dst += 2L * ch * TBLK)
+    for (long c = 0; c < g.N; c += TC, dst += 2 * cs)
       store_pair(dst, k < K ? bf16x32(r0, g.b_off + c) : _mm512_setzero_si512(),
                  k + 1 < K ? bf16x32(r1, g.b_off + c) : _mm512_setzero_si512(), g.N - c);
   };
@@ -410,13 +417,14 @@ void tile_nn(const TileNN<TB>& g) {
   };
   for (; c0 < KC; c0 += CH) {
     ch = std::min(CH, KC - c0);
+    cs = column_stride();
     tile_blocks<Tiles>(
         IB, JB, ch, [&](int kc) { return segment_of(c0 + kc).ld * 2; }, TBYTES,
         [&](int i, int kc) {
           const Segment& s = segment_of(c0 + kc);
           return s.a + long(i) * TR * s.ld + long(c0 + kc - s.kc0) * TC;
         },
-        [&](int j, int kc) { return panel.data() + (long(j) * ch + kc) * TBLK; }, make_b, ahead,
+        [&](int j, int kc) { return panel.data() + long(j) * cs + long(kc) * TBLK; }, make_b, ahead,
         [&](int i, int j, const float* t) {
           put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                    g.accumulate || c0 > 0, g.alpha);
