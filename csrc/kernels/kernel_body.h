@@ -306,7 +306,7 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
   constexpr int G = int4_group::GROUP;
   constexpr float bias = S::int4_split_bias;
   const long groups = g.K / G;
-  thread_local std::vector<float> xs, sums, scales;
+  thread_local kt::aligned_vector<float> xs, sums, scales;
   xs.resize(size_t(g.M) * g.K);
   if constexpr (bias != 0) sums.resize(size_t(g.M) * groups);
   scales.resize(size_t(NR) * groups);

@@ -11,6 +11,7 @@
 #include "../formats/fp8_block.h"
 #include "../formats/int4_group.h"
 #include "../moe/lora_dropout.h"
+#include "aligned.h"
 
 namespace kt {
 

@@ -232,7 +232,7 @@ struct RankTiles {
 // dst (nn layout, [tile_rows(r), n]) = the transpose of an expert's n rank-space rows z [n, r], row m
 // times kscale[m] when given.
 void pack_rank_transposed(const TileKernels& tk, int n, int r, const float* z, const float* kscale, bf16* dst) {
-  thread_local std::vector<float> t;
+  thread_local aligned_vector<float> t;
   t.resize(size_t(r) * n);
   for (int m = 0; m < n; ++m)
     for (int j = 0; j < r; ++j) t[size_t(j) * n + m] = z[long(m) * r + j] * (kscale ? kscale[m] : 1.f);
@@ -344,7 +344,7 @@ void lora_in_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, const 
                               int e, Rows<float> a, long in, float* z, float* buf, long buf_floats) {
   const int n = rows_of(sv, e), r = lora.r;
   const int ch = chunk_rows(buf_floats, in) / 16 * 16;  // ≥ 64: buf holds BLOCK rows of the widest input
-  thread_local std::vector<bf16> packed;
+  thread_local aligned_vector<bf16> packed;
   packed.resize(size_t(tile_rows(ch)) * tile_ld(in));
   for (int m0 = 0; m0 < n; m0 += ch) {
     const int mc = std::min(ch, n - m0);
@@ -379,7 +379,7 @@ void lora_dA_dropped_on_tiles(const TileKernels& tk, const KernelSet& ks, const 
                               int e, const bf16* t_rows, Rows<float> a, long col0, int cols, float* dst, long ldd,
                               bool accumulate) {
   const int n = rows_of(sv, e);
-  thread_local std::vector<float> dropped;
+  thread_local aligned_vector<float> dropped;
   dropped.resize(size_t(n) * cols);
   for (int m = 0; m < n; ++m)
     ks.lora_dropout(dropout_key(lora, p, sv, e, m), col0, cols, lora.dropout.p, a.at(m) + col0,

@@ -11,7 +11,7 @@ namespace kt {
 float* Scratch::get(Slot s, size_t n) {
   if (n > cap_[s]) {
     buf_[s].reset();
-    buf_[s].reset(new float[n]);
+    buf_[s].reset(new_aligned_floats(n));
     cap_[s] = n;
   }
   return buf_[s].get();

@@ -28,7 +28,10 @@ class Scratch {
   size_t bytes() const;
 
  private:
-  std::unique_ptr<float[]> buf_[N_SLOTS];
+  struct Free {
+    void operator()(float* p) const { delete_aligned_floats(p); }
+  };
+  std::unique_ptr<float[], Free> buf_[N_SLOTS];
   size_t cap_[N_SLOTS] = {};
 };
 

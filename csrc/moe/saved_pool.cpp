@@ -4,6 +4,8 @@
 #include <map>
 #include <mutex>
 
+#include "../kernels/aligned.h"
+
 namespace kt {
 
 namespace {
@@ -41,14 +43,14 @@ SavedBuffer take_saved(size_t n) {
     if (it != pl.free.begin()) {
       const auto below = std::prev(it);  // the largest free buffer smaller than n
       if (below->first >= n / 2) {
-        delete[] below->second;
+        delete_aligned_floats(below->second);
         pl.free.erase(below);
       }
     }
     ++pl.allocated;
   }
   const size_t cap = n + n / 8;
-  return SavedBuffer(new float[cap], SavedFree{cap});
+  return SavedBuffer(new_aligned_floats(cap), SavedFree{cap});
 }
 
 size_t saved_pool_allocations() {
@@ -68,7 +70,7 @@ size_t saved_pool_free_bytes() {
 void saved_pool_release() {
   Pool& pl = pool();
   std::lock_guard<std::mutex> lock(pl.mu);
-  for (auto& [cap, p] : pl.free) delete[] p;
+  for (auto& [cap, p] : pl.free) delete_aligned_floats(p);
   pl.free.clear();
 }
 
