@@ -309,6 +309,32 @@ class KTExperts(nn.Module):
                           "longer keep their first pass and run the CPU engine again in the recompute.", RuntimeWarning)
         return None
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The engine reads the expert weights in place: a state dict's values are copied into them (into the float32
+        # master where there is one) whatever torch would otherwise do with the parameter: swap its contents for the
+        # loaded tensor's (torch.__future__.set_swap_module_params_on_conversion(True)) or replace it (assign=True),
+        # either of which left the engine reading tensors that are no longer the parameters.
+        own = {}
+        for name in ("gate_up_proj", "down_proj"):
+            param = self._parameters.get(name)
+            if isinstance(param, ExpertWeight) and prefix + name in state_dict:
+                own[prefix + name] = param
+        rest = {k: v for k, v in state_dict.items() if k not in own} if own else state_dict
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        for key, param in own.items():
+            if key in missing_keys:  # held back from torch's loader above, which then counts it as missing
+                missing_keys.remove(key)
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f"the value for {key} is a {type(value).__name__}, not a tensor.")
+            elif value.shape != param.shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                                  f"checkpoint, the shape in current model is {tuple(param.shape)}.")
+            else:
+                with torch.no_grad():
+                    param.copy_(value)
+
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:
             param.grad = torch.zeros_like(param)

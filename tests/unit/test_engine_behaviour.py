@@ -8,6 +8,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine
 from kt_sft._ext import _C, view
+from kt_sft.nn.experts import ExpertWeight
 from kt_sft.ops import timing
 from kt_sft.ops.timing import engine_seconds, engine_timer, reset_engine_seconds
 
@@ -275,6 +276,39 @@ def test_upcast_gives_the_experts_a_float32_master(optimizer):
     assert m.gate_up_proj.grad.dtype == m.down_proj.grad.dtype == torch.float32
     expected = run_engine(ref.requires_grad_(True), x, idx, w, g)
     assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("master", [False, True])
+@pytest.mark.parametrize("load", ["copy", "swap", "assign"])
+def test_load_state_dict_copies_into_the_weights_the_engine_reads(master, load):
+    """torch's loader would swap the parameter's contents (the swap flag of torch.__future__) or replace it
+    (assign=True); either left the engine reading tensors that are no longer the weights."""
+    m = make_module(SHAPE, lora=False, train_base=True)
+    if master:
+        for p in (m.gate_up_proj, m.down_proj):
+            p.data = p.data.float()
+    engine_ptrs = m._weights_read()
+    src = make_module(replace(SHAPE, name="other"), lora=False, train_base=True)
+    with torch.no_grad():
+        src.down_proj.mul_(-1.5)
+    state = {k: v.clone() for k, v in src.state_dict().items()}
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(load == "swap")
+    try:
+        m.load_state_dict(state, assign=load == "assign")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    assert isinstance(m.down_proj, ExpertWeight) and m._weights_read() == engine_ptrs
+    assert m.down_proj.dtype == (torch.float32 if master else torch.bfloat16)
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.no_grad():
+        assert torch.equal(m(x, idx, w), src(x, idx, w))
+    state["down_proj"] = state["down_proj"][:, :-1]
+    with pytest.raises(RuntimeError, match="size mismatch for down_proj"):
+        m.load_state_dict(state)
+    del state["gate_up_proj"]
+    missing = m.load_state_dict({"down_proj": src.down_proj.detach()}, strict=False).missing_keys
+    assert missing == ["gate_up_proj"]
 
 
 @pytest.mark.parametrize("world, refused", [("2", True), (" 2", True), ("1", False), ("", False), ("abc", False),
