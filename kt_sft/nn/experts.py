@@ -93,7 +93,25 @@ def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
-class KTExperts(nn.Module):
+class LoadsInPlace:
+    """Mixed into modules whose own parameters and buffers are expert weights the engine reads in place."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # torch's loader would swap a weight's contents for the loaded tensor's (torch.__future__'s
+        # set_swap_module_params_on_conversion(True)) or replace the weight (load_state_dict(assign=True)), either of
+        # which leaves the engine reading tensors that are no longer the weights. With both off it copies the values
+        # in place (into the float32 master where there is one), with its own hooks, checks and messages.
+        swap = torch.__future__.get_swap_module_params_on_conversion()
+        torch.__future__.set_swap_module_params_on_conversion(False)
+        try:
+            super()._load_from_state_dict(state_dict, prefix, {**local_metadata, "assign_to_params_buffers": False},
+                                          strict, missing_keys, unexpected_keys, error_msgs)
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+class KTExperts(LoadsInPlace, nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
                  train_base: bool = False, check_finite: bool = False):
         """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None)."""
@@ -308,32 +326,6 @@ class KTExperts(nn.Module):
                           f"their first pass {misses} times in a row (a nondeterministic op before them?); they no "
                           "longer keep their first pass and run the CPU engine again in the recompute.", RuntimeWarning)
         return None
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        # The engine reads the expert weights in place: a state dict's values are copied into them (into the float32
-        # master where there is one) whatever torch would otherwise do with the parameter: swap its contents for the
-        # loaded tensor's (torch.__future__.set_swap_module_params_on_conversion(True)) or replace it (assign=True),
-        # either of which left the engine reading tensors that are no longer the parameters.
-        own = {}
-        for name in ("gate_up_proj", "down_proj"):
-            param = self._parameters.get(name)
-            if isinstance(param, ExpertWeight) and prefix + name in state_dict:
-                own[prefix + name] = param
-        rest = {k: v for k, v in state_dict.items() if k not in own} if own else state_dict
-        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        for key, param in own.items():
-            if key in missing_keys:  # held back from torch's loader above, which then counts it as missing
-                missing_keys.remove(key)
-            value = state_dict[key]
-            if not isinstance(value, torch.Tensor):
-                error_msgs.append(f"the value for {key} is a {type(value).__name__}, not a tensor.")
-            elif value.shape != param.shape:
-                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
-                                  f"checkpoint, the shape in current model is {tuple(param.shape)}.")
-            else:
-                with torch.no_grad():
-                    param.copy_(value)
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:

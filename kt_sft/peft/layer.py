@@ -23,13 +23,13 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
-from ..nn.experts import KTExperts, engine_tensor
+from ..nn.experts import KTExperts, LoadsInPlace, engine_tensor
 
 # KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
 WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")
 
 
-class ExpertWeights(nn.Module):
+class ExpertWeights(LoadsInPlace, nn.Module):
     """The expert weights (parameters, or quantized buffers) of experts that hold a PEFT adapter."""
 
     @property

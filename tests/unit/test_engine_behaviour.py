@@ -278,37 +278,48 @@ def test_upcast_gives_the_experts_a_float32_master(optimizer):
     assert torch.allclose(m.down_proj.grad.bfloat16().float(), expected["d_down"].float(), rtol=2**-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("peft", [False, True])
 @pytest.mark.parametrize("master", [False, True])
 @pytest.mark.parametrize("load", ["copy", "swap", "assign"])
-def test_load_state_dict_copies_into_the_weights_the_engine_reads(master, load):
-    """torch's loader would swap the parameter's contents (the swap flag of torch.__future__) or replace it
-    (assign=True); either left the engine reading tensors that are no longer the weights."""
-    m = make_module(SHAPE, lora=False, train_base=True)
+def test_load_state_dict_copies_into_the_weights_the_engine_reads(peft, master, load):
+    """torch's loader would swap a weight's contents (the swap flag of torch.__future__) or replace it
+    (assign=True); either left the engine reading tensors that are no longer the weights. Under a PEFT adapter
+    the weights live on the `base_layer` child. The loader's hooks and checks still apply."""
+    from kt_sft.peft.layer import KTExpertsLinear
+    shape = replace(SHAPE, r=4)
+    m = make_module(shape, lora=False, train_base=True)
+    if peft:
+        m = KTExpertsLinear(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone(), train_base=True)
+        m.update_layer("default", 4, 8, init_lora_weights=False)
+        m._disable_adapters = True
     if master:
         for p in (m.gate_up_proj, m.down_proj):
             p.data = p.data.float()
     engine_ptrs = m._weights_read()
-    src = make_module(replace(SHAPE, name="other"), lora=False, train_base=True)
-    with torch.no_grad():
-        src.down_proj.mul_(-1.5)
-    state = {k: v.clone() for k, v in src.state_dict().items()}
+    src = make_module(replace(shape, name="other"), lora=False)
+    prefix = "base_layer." if peft else ""
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    state[prefix + "gate_up_proj"] = src.gate_up_proj.detach().clone()
+    state[prefix + "down_proj"] = src.down_proj.detach() * -3  # the hook below makes it -1.5 times src's
+    hook = m.register_load_state_dict_pre_hook(lambda module, sd, pre, *args: sd[pre + prefix + "down_proj"].mul_(0.5))
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(load == "swap")
     try:
         m.load_state_dict(state, assign=load == "assign")
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+    hook.remove()
     assert isinstance(m.down_proj, ExpertWeight) and m._weights_read() == engine_ptrs
     assert m.down_proj.dtype == (torch.float32 if master else torch.bfloat16)
-    x, idx, w, _ = inputs(SHAPE)
     with torch.no_grad():
+        src.down_proj.mul_(-1.5)
+        x, idx, w, _ = inputs(shape)
         assert torch.equal(m(x, idx, w), src(x, idx, w))
-    state["down_proj"] = state["down_proj"][:, :-1]
-    with pytest.raises(RuntimeError, match="size mismatch for down_proj"):
+    state[prefix + "down_proj"] = state[prefix + "down_proj"][:, :-1]
+    with pytest.raises(RuntimeError, match=f"size mismatch for {prefix}down_proj"):
         m.load_state_dict(state)
-    del state["gate_up_proj"]
-    missing = m.load_state_dict({"down_proj": src.down_proj.detach()}, strict=False).missing_keys
-    assert missing == ["gate_up_proj"]
+    del state[prefix + "gate_up_proj"], state[prefix + "down_proj"]
+    assert m.load_state_dict(state, strict=False).missing_keys == [prefix + "gate_up_proj", prefix + "down_proj"]
 
 
 @pytest.mark.parametrize("world, refused", [("2", True), (" 2", True), ("1", False), ("", False), ("abc", False),
