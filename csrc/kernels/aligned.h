@@ -16,8 +16,8 @@ struct LineAligned {
   LineAligned() = default;
   template <class U>
   LineAligned(const LineAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLineAlign)); }
-  void deallocate(T* p, size_t) { ::operator delete(p, kLineAlign); }
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kLineAlign)); }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, kLineAlign); }
   template <class U>
   bool operator==(const LineAligned<U>&) const { return true; }
   template <class U>
@@ -26,7 +26,7 @@ struct LineAligned {
 template <class T>
 using aligned_vector = std::vector<T, LineAligned<T>>;
 // n floats, uninitialized, for the grow-only buffers (a zero fill would touch every page at once).
-inline float* new_aligned_floats(size_t n) { return static_cast<float*>(::operator new[](n * sizeof(float), kLineAlign)); }
+inline float* new_aligned_floats(std::size_t n) { return static_cast<float*>(::operator new[](n * sizeof(float), kLineAlign)); }
 inline void delete_aligned_floats(float* p) { ::operator delete[](p, kLineAlign); }
 
 }  // namespace kt
