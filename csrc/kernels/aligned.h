@@ -26,7 +26,9 @@ struct LineAligned {
 template <class T>
 using aligned_vector = std::vector<T, LineAligned<T>>;
 // n floats, uninitialized, for the grow-only buffers (a zero fill would touch every page at once).
-inline float* new_aligned_floats(std::size_t n) { return static_cast<float*>(::operator new[](n * sizeof(float), kLineAlign)); }
+inline float* new_aligned_floats(std::size_t n) {
+  return static_cast<float*>(::operator new[](n * sizeof(float), kLineAlign));
+}
 inline void delete_aligned_floats(float* p) { ::operator delete[](p, kLineAlign); }
 
 }  // namespace kt
