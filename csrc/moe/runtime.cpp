@@ -11,6 +11,7 @@ namespace kt {
 float* Scratch::get(Slot s, size_t n) {
   if (n > cap_[s]) {
     buf_[s].reset();
+    cap_[s] = 0;  // a failed allocation below must not leave the old capacity over no buffer
     buf_[s].reset(new_aligned_floats(n));
     cap_[s] = n;
   }
