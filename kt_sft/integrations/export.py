@@ -30,6 +30,17 @@ STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts
                       r"(?P<proj>gate|up|down)$")
 
 
+def json_object(path: Path, damaged: str, kind: str) -> dict:
+    """The JSON object in `path`, or one sentence: not JSON (`damaged` says why that happens), or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {damaged}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not {kind}.")
+    return value
+
+
 def adapter_config(adapter_dir: Path) -> dict:
     """The adapter_config.json of a saved PEFT adapter, checked: both of its files present, a JSON object, a
     positive integer rank and a finite alpha; rank_pattern / alpha_pattern given as null read as empty."""
@@ -38,12 +49,7 @@ def adapter_config(adapter_dir: Path) -> dict:
             raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
                                     "output_dir or one of its checkpoints).")
     path = adapter_dir / ADAPTER_CONFIG
-    try:
-        config = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the adapter was not saved completely.") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an adapter configuration.")
+    config = json_object(path, "the adapter was not saved completely", "an adapter configuration")
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"{path} gives r = {r!r}; a LoRA adapter's rank is a positive integer.")
@@ -55,6 +61,12 @@ def adapter_config(adapter_dir: Path) -> dict:
         elif not isinstance(config[key], dict):
             raise ValueError(f"{path} gives {key} = {config[key]!r}; PEFT saves it as an object.")
     return config
+
+
+def read_config(model_dir: Path) -> dict:
+    """model_dir's config.json, checked to be a JSON object."""
+    return json_object(Path(model_dir) / "config.json", "the download is incomplete or damaged",
+                       "a model configuration")
 
 
 def require_new_dir(out_dir: Path, what: str) -> None:
@@ -71,12 +83,17 @@ def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -
         looked = f" (looked in '{base}')" if base else " (its base_model_name_or_path is empty)"
         raise FileNotFoundError(f"cannot find the config.json of the model {adapter_dir} was trained on{looked}; pass "
                                 "the model directory with --model.")
-    return json.loads((Path(base) / "config.json").read_text())
+    return read_config(Path(base))
 
 
-def check_stacked(m: re.Match, t, model: dict) -> None:
+def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
     """A stacked expert LoRA tensor (m: its STACKED_KEY match), [E, r, in] (A) or [E, out, r] (B), against the
-    model's expert count and hidden size (whichever of the architectures' names the config uses)."""
+    adapter's rank and the model's expert count and hidden size (whichever of the architectures' names the config
+    uses)."""
+    if t.dim() != 3 or t.shape[1 if m["ab"] == "A" else 2] != r:
+        raise ValueError(f"the adapter's {m.string} is shaped {list(t.shape)}, not a rank-{r} stack of expert LoRA "
+                         f"matrices ({'[E, r, in]' if m['ab'] == 'A' else '[E, out, r]'}) as its adapter_config.json "
+                         "says; the file and the config do not belong together.")
     text = model.get("text_config") or model
     experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
     H = text.get("hidden_size")
@@ -115,7 +132,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
             out[key] = t
             continue
         stacked += 1
-        check_stacked(m, t, model)
+        check_stacked(m, t, model, config["r"])
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
             out[f"{m['pre']}{arch.expert_module(int(m['layer']), e, proj)}.lora_{m['ab']}.weight"] = t[e].contiguous()

@@ -36,7 +36,7 @@ from ..loader.checkpoint import Checkpoint, open_safetensors
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, require_new_dir
+from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, read_config, require_new_dir
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -63,32 +63,38 @@ class MergeReport:
         return (self.lost[fmt] / self.update[fmt]) ** 0.5 if self.update[fmt] > 0 else 0.0
 
 
-def source_of(model_dir: Path) -> tuple[Path, str, str]:
-    """(published checkpoint directory, key prefix of its text model, model_type of that text model): model_dir is
-    the published checkpoint or a `kt-sft prepare` directory pointing at it."""
+def source_of(model_dir: Path) -> tuple[Path, str, dict]:
+    """(published checkpoint directory, key prefix of its text model, that text model's config with its canonical
+    model_type): model_dir is the published checkpoint or a `kt-sft prepare` directory pointing at it."""
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json; point at the model the adapter was trained on (the "
                                 "published checkpoint or its `kt-sft prepare` directory).")
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_config(model_dir)
     settings = config.get(SETTINGS_KEY)
     # A prepared directory holds no weights and points at its source; a model saved from a kt_sft-loaded one (a
     # full fine-tune, an export) keeps the settings section beside weights of its own, which are the ones to merge.
     own = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
     settings = None if own else settings
+    if settings is not None and not (isinstance(settings, dict) and isinstance(settings.get("source"), str)):
+        raise ValueError(f"{model_dir}/config.json has a {SETTINGS_KEY!r} section that names no source checkpoint; "
+                         "pass the published checkpoint itself.")
     source = Path(settings["source"]) if settings else model_dir
     if settings and not (source / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} was prepared from {source}, which has no config.json now (moved or "
                                 "deleted?); pass the published checkpoint itself.")
     if settings:
-        config = json.loads((source / "config.json").read_text())
+        config = read_config(source)
     prefix = composite_prefix(config.get("model_type"))
-    text = config["text_config"] if prefix is not None else config
-    return source, prefix or "", canonical_model_type(text.get("model_type"))
+    text = config.get("text_config") if prefix is not None else config
+    if not isinstance(text, dict):
+        raise ValueError(f"{source}/config.json declares model_type {config.get('model_type')!r} but has no "
+                         "text_config; the download is incomplete or not that model.")
+    return source, prefix or "", {**text, "model_type": canonical_model_type(text.get("model_type"))}
 
 
-def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str, tuple]:
+def adapter_updates(adapter_dir: Path, model: dict, prefix: str) -> dict[str, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
-    kt_sft's stacked expert LoRA at each expert's published weight."""
+    kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts)."""
     config = adapter_config(adapter_dir)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"{adapter_dir} is a {'DoRA' if config.get('use_dora') else config.get('peft_type')} adapter; "
@@ -97,13 +103,14 @@ def adapter_updates(adapter_dir: Path, model_type: str, prefix: str) -> dict[str
         raise ValueError("adapters with rank_pattern, alpha_pattern or fan_in_fan_out are not supported by kt-sft "
                          "merge; merge one trained with a single rank and alpha.")
     scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
-    arch = architecture_of(SimpleNamespace(model_type=model_type))
+    arch = architecture_of(SimpleNamespace(model_type=model["model_type"]))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with open_safetensors(adapter_dir / ADAPTER_WEIGHTS) as f:
         for key in f.keys():
             stacked, plain = STACKED_KEY.match(key), _PLAIN_KEY.match(key)
             if stacked:
                 t = f.get_tensor(key)
+                check_stacked(stacked, t, model, config["r"])
                 for e in range(t.shape[0]):
                     weight = prefix + arch.expert_key(int(stacked["layer"]), e, PROJECTIONS.index(stacked["proj"]))
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
@@ -180,12 +187,12 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                   progress: Callable[[int, int, str], None] | None = None) -> MergeReport:
     """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
     total, shard) is called after each shard is written (a large model's merge takes hours)."""
-    source, prefix, model_type = source_of(Path(model_dir))
+    source, prefix, model = source_of(Path(model_dir))
     out_dir = Path(out_dir).resolve()  # "." has no name to put the temporary directory beside it under
     require_new_dir(out_dir, "the merged model")
     if out_dir == source.resolve():
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
-    updates = adapter_updates(Path(adapter_dir), model_type, prefix)
+    updates = adapter_updates(Path(adapter_dir), model, prefix)
     ckpt = Checkpoint(source)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}
     # Stored key -> the merged weight it belongs to.
@@ -213,6 +220,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                     tensors[key] = pending[weight].pop(key)
                     if not pending[weight]:
                         del pending[weight]
+            (tmp / shard).parent.mkdir(parents=True, exist_ok=True)  # a shard may sit in a subdirectory
             save_file(tensors, str(tmp / shard), metadata=metadata)
             if progress:
                 progress(n + 1, len(shards), shard)

@@ -16,6 +16,7 @@ from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
 from ..loader.quantization import checkpoint_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
+from .export import read_config
 from .modeling import SETTINGS_KEY
 
 SHIM = "modeling_kt_sft.py"
@@ -41,7 +42,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise FileExistsError(f"{out} is a file; choose a directory for the prepared model.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
-    raw = json.loads((source / "config.json").read_text())
+    raw = read_config(source)
     published_type = raw.get("model_type")
     # The loader reads quantized checkpoints itself (experts kept quantized, other weights dequantized), so the
     # prepared model is not a quantized model to transformers or LLaMA-Factory.

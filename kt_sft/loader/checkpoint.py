@@ -22,6 +22,23 @@ def open_safetensors(path: Path):
                          "save it again.") from None
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's key -> shard map, checked: shard names are files inside the checkpoint directory (a writer that
+    follows them, `kt-sft merge`, must never reach a file outside its output)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a safetensors index ({e}); the download is incomplete or damaged.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files; the download is incomplete or "
+                         "damaged.")
+    for shard in set(weight_map.values()):
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(f"{index} names the shard {shard!r}, outside the checkpoint directory; shard names must "
+                             "be files inside it.")
+    return dict(weight_map)
+
+
 class Checkpoint:
     """Keys are the checkpoint's own, or, with `prefix` (e.g. "language_model." for Kimi-K2.5, whose text model
     sits beside a vision tower), only the keys under it, with the prefix removed."""
@@ -32,7 +49,7 @@ class Checkpoint:
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
         if index.exists():
-            self.shard_of = dict(json.loads(index.read_text())["weight_map"])
+            self.shard_of = _weight_map(index)
         elif single.exists():
             with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}

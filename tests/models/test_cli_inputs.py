@@ -58,12 +58,17 @@ def test_null_patterns_read_as_none(adapter, tmp_path):
     assert run(["export", str(other), str(tmp_path / "per_expert"), "--model", str(model_dir)]) == 0
 
 
-def test_merge_refuses_a_config_whose_rank_is_not_its_weights(adapter, tmp_path):
-    # PEFT refuses to load such an adapter; a merge with scaling alpha / 8 would halve every update silently.
+@pytest.mark.parametrize("command", ["merge", "export"])
+def test_a_config_whose_rank_is_not_its_weights_is_refused(adapter, tmp_path, command):
+    # PEFT refuses to load such an adapter; a merge with scaling alpha / 8 would halve every update silently, and
+    # an export would write a config of rank 8 over rank-4 weights.
     model_dir, adapter_dir = adapter
     other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, r=8))
-    with pytest.raises(ValueError, match=r"gives r = 8, but the LoRA on .* is A \[4, .*the config does not belong"):
-        run(["merge", str(model_dir), str(other), str(tmp_path / "out")])
+    args = [str(model_dir), str(other), str(tmp_path / "out")] if command == "merge" else \
+        [str(other), str(tmp_path / "out"), "--model", str(model_dir)]
+    with pytest.raises(ValueError, match=r"is shaped \[8, 4, \d+\], not a rank-8 stack .* do not belong together"):
+        run([command, *args])
+    assert not (tmp_path / "out").exists()
 
 
 def test_merge_into_the_current_directory(adapter, tmp_path, monkeypatch):
@@ -153,3 +158,68 @@ def test_merge_takes_the_weights_of_a_model_saved_from_a_kt_sft_one(adapter, tmp
     assert run(["merge", str(tuned), str(adapter_dir), str(tmp_path / "merged")]) == 0
     merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert torch.equal(merged["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
+
+
+def test_merge_refuses_an_adapter_trained_on_a_model_with_other_experts(adapter, tmp_path):
+    # Its experts 0..7 would have been merged into the first eight of sixteen without a word.
+    model_dir, adapter_dir = adapter
+    other = tmp_path / "wider"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    key = next(k for k in ("num_experts", "num_local_experts") if k in config)  # transformers 5 saves the second
+    (other / "config.json").write_text(json.dumps({**config, key: 2 * config[key]}))
+    with pytest.raises(ValueError, match=r"is shaped \[8, .* but the model has 16 experts"):
+        run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def indexed_copy(model_dir, tmp_path, shard_name):
+    """A copy of the model whose index names its one shard `shard_name` (the shard moved there when inside)."""
+    other = tmp_path / "indexed"
+    shutil.copytree(model_dir, other)
+    keys = list(load_file(other / "model.safetensors"))
+    if not shard_name.startswith(("/", "..")):
+        (other / shard_name).parent.mkdir(parents=True, exist_ok=True)
+        (other / "model.safetensors").rename(other / shard_name)
+    (other / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard_name for k in keys}}))
+    return other
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+@pytest.mark.parametrize("command", ["merge", "prepare"])
+def test_an_index_naming_a_shard_outside_its_directory_is_refused(adapter, tmp_path, where, command):
+    # merge writes each shard under the name the index gives it: one outside would be overwritten in place.
+    model_dir, adapter_dir = adapter
+    name = str((model_dir / "model.safetensors").resolve()) if where == "absolute" else "../model/model.safetensors"
+    other = indexed_copy(model_dir, tmp_path, name)
+    before = (model_dir / "model.safetensors").read_bytes()
+    args = [str(other), str(adapter_dir)] if command == "merge" else [str(other)]
+    with pytest.raises(ValueError, match="outside the checkpoint directory; shard names must be files inside it"):
+        run([command, *args, str(tmp_path / "out")])
+    assert (model_dir / "model.safetensors").read_bytes() == before
+
+
+def test_merge_writes_shards_that_sit_in_a_subdirectory(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    other = indexed_copy(model_dir, tmp_path, "weights/model.safetensors")
+    assert run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")]) == 0
+    merged = load_file(tmp_path / "out" / "weights" / "model.safetensors")
+    plain = load_file(model_dir / "model.safetensors")
+    assert merged.keys() == plain.keys() and any(not torch.equal(merged[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("config.json", "[1, 2]", "holds a JSON list, not a model configuration"),
+    ("config.json", "{\"model_type\": ", "is not valid JSON"),
+    ("model.safetensors.index.json", "{\"metadata\": {}}", "has no weight_map of tensor names to shard files"),
+    ("model.safetensors.index.json", "[]", "is not a safetensors index"),
+], ids=["config_list", "config_cut", "index_without_map", "index_list"])
+@pytest.mark.parametrize("command", ["merge", "prepare"])
+def test_a_broken_model_config_or_index_is_named(adapter, tmp_path, file, text, message, command):
+    model_dir, adapter_dir = adapter
+    other = tmp_path / "broken"
+    shutil.copytree(model_dir, other)
+    (other / file).write_text(text)
+    args = [str(other), str(adapter_dir)] if command == "merge" else [str(other)]
+    with pytest.raises(ValueError, match=message):
+        run([command, *args, str(tmp_path / "out")])
