@@ -68,6 +68,11 @@ def set_kernels(name: str | None) -> None:
     configure(kernels=name or "")
 
 
+# Every kernel set the engine has (dispatch.cpp), best first; capabilities()["runnable_kernels"] says which this
+# CPU runs.
+KERNEL_SETS = ("amx", "avx512_bf16", "avx512", "avx2", "reference")
+
+
 def capabilities() -> dict:
     """What the CPU has, which kernel sets it can run, which one is in use, threads and scratch size."""
     return _C.capabilities()

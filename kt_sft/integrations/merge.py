@@ -199,7 +199,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
     report = MergeReport(out_dir)
     tmp = out_dir.parent / f".{out_dir.name}.merging"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists() or tmp.is_symlink():  # a merge that was killed leaves it; never delete what might be a user's
+        raise FileExistsError(f"{tmp} exists (left by an interrupted merge?); delete it, then run the merge again.")
     tmp.mkdir(parents=True)
     try:
         pending: dict[str, dict[str, torch.Tensor]] = {}  # merged weights whose stored keys are not all written yet

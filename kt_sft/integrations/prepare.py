@@ -10,7 +10,7 @@ from pathlib import Path
 
 from transformers import CONFIG_MAPPING, AutoConfig
 
-from .._ext import _thread_count
+from .._ext import KERNEL_SETS, _thread_count
 from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
@@ -40,6 +40,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                          "files, so put it elsewhere.")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; choose a directory for the prepared model.")
+    if kernels not in (None, *KERNEL_SETS):  # named, not checked against this CPU: training may run elsewhere
+        raise ValueError(f"--kernels {kernels!r} is not one of {', '.join(KERNEL_SETS)}.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
     raw = read_config(source)
@@ -64,7 +66,16 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     check_checkpoint(Checkpoint(source, prefix or ""), config, fmt)
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
+    linked = [f for f in source.iterdir()
+              if not (f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES)]
+    for f in linked:
+        if (out / f.name).exists() and not (out / f.name).is_symlink():
+            raise FileExistsError(f"{out / f.name} is a file of its own where prepare links the model's {f.name}; "
+                                  "move it away or prepare into a new directory.")
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.iterdir():  # links of an earlier prepare, perhaps of another model: none may outlive it
+        if old.is_symlink():
+            old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
@@ -72,11 +83,6 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                          "checkpoint_prefix": prefix or ""}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / SHIM).write_text(SHIM_TEXT)
-    for f in source.iterdir():
-        if f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES:
-            continue
-        link = out / f.name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(f)
+    for f in linked:
+        (out / f.name).symlink_to(f)
     return out

@@ -53,8 +53,16 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     arch = architecture_of(config)
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(config)
+    top_k = getattr(config, "num_experts_per_tok", None)
     for _, layer, module in experts_modules(skeleton, arch):
         E, two_i, H = module.gate_up_proj.shape
+        if isinstance(top_k, int) and not 1 <= top_k <= E:
+            raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "
+                             f"be 1 to {E}.")
+        extra = weight_keys(fmt, arch.expert_key(layer, E, 0))[0]
+        if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
+            raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
+                             f"{config.model_type} layout gives; check that config.json belongs to these weights.")
         want = ((two_i // 2, H), (two_i // 2, H), (H, two_i // 2))
         for e in range(E):
             for p in range(3):

@@ -223,3 +223,48 @@ def test_a_broken_model_config_or_index_is_named(adapter, tmp_path, file, text, 
     args = [str(other), str(adapter_dir)] if command == "merge" else [str(other)]
     with pytest.raises(ValueError, match=message):
         run([command, *args, str(tmp_path / "out")])
+
+
+def edited_model(model_dir, tmp_path, **changes):
+    other = tmp_path / "edited_model"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, **changes}))
+    return other
+
+
+@pytest.mark.parametrize("changes, extra, message", [
+    ({}, ["--kernels", "bogus"], r"--kernels 'bogus' is not one of amx, "),
+    ({"num_experts_per_tok": 99}, [], r"num_experts_per_tok = 99 of 8 experts; it must be 1 to 8"),
+    ({"num_local_experts": 4}, [], r"has model.layers.0.mlp.experts.4.gate_proj.weight, an expert past the 4"),
+], ids=["kernels", "top_k", "fewer_experts"])
+def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, changes, extra, message):
+    model_dir, _ = adapter
+    with pytest.raises(ValueError, match=message):
+        run(["prepare", str(edited_model(model_dir, tmp_path, **changes)), str(tmp_path / "out"), *extra])
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_again_drops_the_earlier_models_links_and_keeps_files_of_its_own(adapter, tmp_path):
+    model_dir, _ = adapter
+    first = tmp_path / "first"
+    shutil.copytree(model_dir, first)
+    (first / "tokenizer.json").write_text("{}")
+    out = tmp_path / "prepared"
+    assert run(["prepare", str(first), str(out)]) == 0 and (out / "tokenizer.json").is_symlink()
+    assert run(["prepare", str(model_dir), str(out)]) == 0
+    assert not (out / "tokenizer.json").exists()  # the first model's tokenizer beside the second's weights
+    (out / "generation_config.json").unlink()
+    (out / "generation_config.json").write_text("{\"edited\": true}")
+    with pytest.raises(FileExistsError, match="generation_config.json is a file of its own where prepare links"):
+        run(["prepare", str(model_dir), str(out)])
+    assert json.loads((out / "generation_config.json").read_text()) == {"edited": True}
+
+
+def test_merge_leaves_an_existing_merging_directory_alone(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    (tmp_path / ".out.merging").mkdir()
+    (tmp_path / ".out.merging" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.out\.merging exists \(left by an interrupted merge\?\); delete it"):
+        run(["merge", str(model_dir), str(adapter_dir), str(tmp_path / "out")])
+    assert (tmp_path / ".out.merging" / "notes.txt").read_text() == "mine"
