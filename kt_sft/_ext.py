@@ -127,7 +127,19 @@ def _configure_from_env() -> None:
         _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pin != "0", kernels or "", 0)
 
 
-_configure_from_env()
+# A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN: raised by the first experts module (require_settings) and
+# reported by `kt-sft doctor`, not at import, where it took every command of the CLI down with a traceback.
+settings_error: Exception | None = None
+try:
+    _configure_from_env()
+except (ValueError, RuntimeError) as e:
+    settings_error = e
+
+
+def require_settings() -> None:
+    """Raises the environment's bad engine setting, if there is one (the engine keeps its defaults meanwhile)."""
+    if settings_error is not None:
+        raise type(settings_error)(*settings_error.args)
 
 
 def _warn_if_tiles_refused() -> None:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from . import capabilities
+from . import _ext, capabilities
 from .ops.host_memory import host_headroom
 
 
@@ -44,6 +44,8 @@ def doctor(_args) -> int:
     print(f"kernel sets      : {', '.join(caps['runnable_kernels'])} (in use: {caps['kernels']})")
     print(f"tile products    : {caps['tiles']}")
     print(f"engine threads   : {caps['threads']} (pinned: {caps['pinned']})")
+    if _ext.settings_error is not None:
+        print(f"settings         : {_ext.settings_error} The experts refuse to run until it is fixed.")
     room = host_headroom()
     print("memory           : " + (f"{room[1] / 2**30:.1f} GiB, {room[0] / 2**30:.1f} GiB of it available to this "
                                    "process (MemAvailable, or its cgroup's limit net of its use)" if room else "unknown"))
@@ -55,7 +57,7 @@ def doctor(_args) -> int:
     if caps["kernels"] is None:
         print("This CPU cannot run the expert kernels (it needs AVX2 + FMA).")
         return 1
-    return 0
+    return 0 if _ext.settings_error is None else 1
 
 
 def demo(args) -> int:

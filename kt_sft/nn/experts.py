@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._ext import _C, view
+from .._ext import _C, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
 from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
@@ -116,6 +116,7 @@ class KTExperts(LoadsInPlace, nn.Module):
                  train_base: bool = False, check_finite: bool = False):
         """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None)."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
+        require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):
             self._init_quantized(gate_up_proj, train_base)
         else:

@@ -1,7 +1,10 @@
 """What the command line does with bad input: every case ends in one sentence naming the problem and the fix,
 nothing the user saved is overwritten, and the installed `kt-sft` prints that sentence without a traceback."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -268,3 +271,20 @@ def test_merge_leaves_an_existing_merging_directory_alone(adapter, tmp_path):
     with pytest.raises(FileExistsError, match=r"\.out\.merging exists \(left by an interrupted merge\?\); delete it"):
         run(["merge", str(model_dir), str(adapter_dir), str(tmp_path / "out")])
     assert (tmp_path / ".out.merging" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("KT_SFT_THREADS=abc", "KT_SFT_THREADS='abc' is not a whole number"),
+    ("KT_SFT_KERNELS=bogus", "Kernel set 'bogus' cannot run on this CPU"),
+])
+def test_a_bad_engine_setting_is_reported_not_raised_at_import(setting, message):
+    # Raised at import, it took every kt-sft command down with a traceback, doctor (which should report it) too.
+    name, _, value = setting.partition("=")
+    env = {**os.environ, name: value}
+    doctor = subprocess.run([sys.executable, "-m", "kt_sft.cli", "doctor"], env=env, capture_output=True, text=True)
+    assert doctor.returncode == 1 and f"settings         : {message}" in doctor.stdout
+    assert "Traceback" not in doctor.stderr
+    experts = subprocess.run([sys.executable, "-c", "import torch, kt_sft; "
+                              "kt_sft.KTExperts(torch.zeros(2, 8, 4, dtype=torch.bfloat16), "
+                              "torch.zeros(2, 4, 4, dtype=torch.bfloat16))"], env=env, capture_output=True, text=True)
+    assert experts.returncode == 1 and message in experts.stderr.splitlines()[-1]
