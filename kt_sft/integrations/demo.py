@@ -70,9 +70,10 @@ def yaml_text(d: dict) -> str:
 
 
 def write_demo(root: str | Path) -> Path:
+    from .export import resolved
     from .prepare import prepare
 
-    root = Path(root).resolve()
+    root = resolved(root)
     model_dir, data_dir, prepared = root / "model", root / "data", root / "prepared"
     write_model(model_dir, write_tokenizer(model_dir))
     write_data(data_dir)

@@ -69,6 +69,15 @@ def read_config(model_dir: Path) -> dict:
                        "a model configuration")
 
 
+def resolved(path: str | Path) -> Path:
+    """path made absolute with its links followed; a link loop said in one sentence (Python before 3.13 raises
+    RuntimeError for it, 3.13 an OSError)."""
+    try:
+        return Path(path).resolve()
+    except RuntimeError:
+        raise ValueError(f"{path} is a loop of symbolic links; give a real directory.") from None
+
+
 def require_new_dir(out_dir: Path, what: str) -> None:
     """out_dir may be written: missing, or an empty directory (never over what a user saved there)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):

@@ -36,7 +36,8 @@ from ..loader.checkpoint import Checkpoint, open_safetensors
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, read_config, require_new_dir
+from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, read_config, require_new_dir,
+                     resolved)
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -188,9 +189,9 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
     total, shard) is called after each shard is written (a large model's merge takes hours)."""
     source, prefix, model = source_of(Path(model_dir))
-    out_dir = Path(out_dir).resolve()  # "." has no name to put the temporary directory beside it under
+    out_dir = resolved(out_dir)  # "." has no name to put the temporary directory beside it under
     require_new_dir(out_dir, "the merged model")
-    if out_dir == source.resolve():
+    if out_dir == resolved(source):
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     updates = adapter_updates(Path(adapter_dir), model, prefix)
     ckpt = Checkpoint(source)

@@ -16,7 +16,7 @@ from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
 from ..loader.quantization import checkpoint_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
-from .export import read_config
+from .export import read_config, resolved
 from .modeling import SETTINGS_KEY
 
 SHIM = "modeling_kt_sft.py"
@@ -29,13 +29,13 @@ _WEIGHT_FILES = ("model.safetensors.index.json",)
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
             expert_format: str | None = None) -> Path:
     """expert_format: 'bf16', 'fp8' or 'int4' for the routed experts in RAM (default: the checkpoint's own)."""
-    source, out = Path(source).resolve(), Path(out)
+    source, out = resolved(source), Path(out)
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
     if threads is not None:
         _thread_count(threads, "--threads")
-    resolved = out.resolve()
-    if resolved == source or source in resolved.parents:
+    out_resolved = resolved(out)
+    if out_resolved == source or source in out_resolved.parents:
         raise ValueError(f"{out} is inside the model directory {source}; the prepared directory links to the model's "
                          "files, so put it elsewhere.")
     if out.exists() and not out.is_dir():

@@ -288,3 +288,13 @@ def test_a_bad_engine_setting_is_reported_not_raised_at_import(setting, message)
                               "kt_sft.KTExperts(torch.zeros(2, 8, 4, dtype=torch.bfloat16), "
                               "torch.zeros(2, 4, 4, dtype=torch.bfloat16))"], env=env, capture_output=True, text=True)
     assert experts.returncode == 1 and message in experts.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["prepare", "merge", "demo"])
+def test_a_loop_of_symbolic_links_is_named(adapter, tmp_path, command):
+    model_dir, adapter_dir = adapter
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    args = {"prepare": [str(model_dir)], "merge": [str(model_dir), str(adapter_dir)], "demo": []}[command]
+    with pytest.raises((ValueError, OSError), match="loop"):  # Python 3.13's resolve raises OSError (ELOOP) itself
+        run([command, *args, str(tmp_path / "loop1")])
