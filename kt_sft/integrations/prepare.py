@@ -58,7 +58,11 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     raw.pop("quantization_config", None)
     raw["model_type"] = canonical_model_type(raw.get("model_type"))
     raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
-    config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
+    try:
+        config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
+    except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types
+        raise ValueError(f"{source}/config.json is not a valid {raw['model_type']} configuration "
+                         f"({str(e).splitlines()[0]}); the file was edited or is not that model's.") from None
     if config is None:
         raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
                          "configuration).")

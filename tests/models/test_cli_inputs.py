@@ -240,7 +240,8 @@ def edited_model(model_dir, tmp_path, **changes):
     ({}, ["--kernels", "bogus"], r"--kernels 'bogus' is not one of amx, "),
     ({"num_experts_per_tok": 99}, [], r"num_experts_per_tok = 99 of 8 experts; it must be 1 to 8"),
     ({"num_local_experts": 4}, [], r"has model.layers.0.mlp.experts.4.gate_proj.weight, an expert past the 4"),
-], ids=["kernels", "top_k", "fewer_experts"])
+    ({"hidden_size": "64"}, [], r"config.json is not a valid qwen3_moe configuration \(.*hidden_size"),
+], ids=["kernels", "top_k", "fewer_experts", "string_size"])
 def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, changes, extra, message):
     model_dir, _ = adapter
     with pytest.raises(ValueError, match=message):
