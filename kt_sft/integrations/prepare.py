@@ -62,7 +62,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
     except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types
         raise ValueError(f"{source}/config.json is not a valid {raw['model_type']} configuration "
-                         f"({str(e).splitlines()[0]}); the file was edited or is not that model's.") from None
+                         f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
     if config is None:
         raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
                          "configuration).")
