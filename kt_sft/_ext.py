@@ -124,7 +124,10 @@ def _configure_from_env() -> None:
         if threads and not threads.strip().isdigit():
             raise ValueError(f"KT_SFT_THREADS={threads!r} is not a whole number; set it to the engine's thread count "
                              "(0: one per CPU this process may use).")
-        _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pin != "0", kernels or "", 0)
+        try:
+            _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pin != "0", kernels or "", 0)
+        except RuntimeError as e:  # the only setting the engine can refuse here: say where it came from
+            raise RuntimeError(f"KT_SFT_KERNELS={kernels!r}: {e}") from None
 
 
 # A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN: raised by the first experts module (require_settings) and

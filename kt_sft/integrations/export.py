@@ -71,11 +71,14 @@ def read_config(model_dir: Path) -> dict:
 
 def resolved(path: str | Path) -> Path:
     """path made absolute with its links followed; a link loop said in one sentence (Python before 3.13 raises
-    RuntimeError for it, 3.13 an OSError)."""
+    RuntimeError for it, 3.13 returns the link unresolved)."""
     try:
-        return Path(path).resolve()
+        out = Path(path).resolve()
     except RuntimeError:
-        raise ValueError(f"{path} is a loop of symbolic links; give a real directory.") from None
+        out = Path(path)
+    if out.is_symlink():
+        raise ValueError(f"{path} is a loop of symbolic links; give a real directory.")
+    return out
 
 
 def require_new_dir(out_dir: Path, what: str) -> None:

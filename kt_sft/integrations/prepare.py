@@ -6,6 +6,7 @@ template); the weight shards are referenced, never copied. Everything is checked
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from transformers import CONFIG_MAPPING, AutoConfig
@@ -76,9 +77,13 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         if (out / f.name).exists() and not (out / f.name).is_symlink():
             raise FileExistsError(f"{out / f.name} is a file of its own where prepare links the model's {f.name}; "
                                   "move it away or prepare into a new directory.")
+    # An earlier prepare here, perhaps of another model: its links go (a link of the user's own stays).
+    earlier = read_config(out).get(SETTINGS_KEY) if (out / "config.json").is_file() else None
+    earlier = Path(earlier["source"]) if isinstance(earlier, dict) and isinstance(earlier.get("source"), str) else None
+    names = {f.name for f in linked}
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.iterdir():  # links of an earlier prepare, perhaps of another model: none may outlive it
-        if old.is_symlink():
+    for old in out.iterdir():
+        if old.is_symlink() and (old.name in names or Path(os.readlink(old)).parent == earlier):
             old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}

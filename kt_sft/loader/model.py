@@ -16,7 +16,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from .._ext import profile_every, require_one_process
+from .._ext import profile_every, require_one_process, require_settings
 from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.overlap import overlap_shared_experts
@@ -152,6 +152,17 @@ def _refuse_saving(model, fmt: str) -> None:
     model.save_pretrained = refuse
 
 
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def beyond_the_layers(key: str, config) -> bool:
+    """A checkpoint key of a layer past config.num_hidden_layers: the multi-token-prediction layer that DeepSeek-V3/R1
+    (layer 61) and GLM-4.5 (92; 46 for Air) publish beside the model, which transformers' models skip on load too
+    (`_keys_to_ignore_on_load_unexpected`); its routed experts alone are ~11 GB at DeepSeek-V3."""
+    m = _LAYER_KEY.match(key)
+    return m is not None and int(m[1]) >= config.num_hidden_layers
+
+
 def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True,
                       expert_format: str | None = None, checkpoint_prefix: str = ""):
     """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
@@ -159,6 +170,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     parameters (full fine-tuning); quantized experts never are. checkpoint_prefix: the weight-key prefix of the
     text model in a composite checkpoint (Kimi-K2.5: "language_model.")."""
     require_one_process()
+    require_settings()
     arch = architecture_of(config)
     ckpt = Checkpoint(source, checkpoint_prefix)
     fmt = source_format(source)
@@ -173,7 +185,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     state = {}
     for key in ckpt.keys():
-        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES):
+        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES) or beyond_the_layers(key, config):
             continue
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._ext import require_one_process
+from .._ext import require_one_process, require_settings
 from .overlap import overlap_shared_experts
 from .registry import MoEArchitecture, architecture_of
 
@@ -50,6 +50,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     from ..peft.layer import KTExpertsLinear
 
     require_one_process()
+    require_settings()
     config = getattr(model, "config", None)
     arch = architecture_of(config)
     act = getattr(config, "hidden_act", "silu")

@@ -141,6 +141,20 @@ def test_bad_step_profile_setting_is_named(monkeypatch):
         profile_every()
 
 
+def test_a_bad_engine_setting_is_refused_before_loading(saved, tmp_path, monkeypatch):
+    # Raised by the first experts module only, it came after every other weight of the model had been read.
+    from kt_sft import _ext
+    from kt_sft.models import use_cpu_experts
+    _, src = saved("qwen3_moe")
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    monkeypatch.setattr(_ext, "settings_error", RuntimeError("KT_SFT_KERNELS='x': no such kernel set"))
+    (src / "model.safetensors").write_bytes(b"")  # nothing may be read before the refusal
+    with pytest.raises(RuntimeError, match="KT_SFT_KERNELS='x'"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
+    with pytest.raises(RuntimeError, match="KT_SFT_KERNELS='x'"):
+        use_cpu_experts(tiny_model("qwen3_moe"))
+
+
 def test_a_distributed_launch_is_refused_before_loading(saved, tmp_path, monkeypatch):
     # LLaMA-Factory starts one process per visible GPU (torchrun): each would load every routed expert into RAM.
     from kt_sft.models import use_cpu_experts
@@ -151,3 +165,28 @@ def test_a_distributed_launch_is_refused_before_loading(saved, tmp_path, monkeyp
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
     with pytest.raises(ValueError, match="distributed launch"):
         use_cpu_experts(tiny_model("qwen3_moe"))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_a_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
+    """DeepSeek-V3/R1 and GLM-4.5 publish their multi-token-prediction layer (61; 92, 46 for Air) as one more
+    `model.layers.N` with routed experts; transformers skips it on load, and so must the hybrid loader."""
+    import transformers as tf
+    from tiny_models import CONFIGS as configs
+    config = configs[model_type]()
+    config.num_hidden_layers += 1
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(src)
+    published = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**published, "num_hidden_layers": config.num_hidden_layers - 1}))
+    stock = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # warns of the extra layer
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(p.bfloat16().float())  # as the engine stores them
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
