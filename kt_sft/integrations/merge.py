@@ -20,7 +20,6 @@ adapter unmerged (or a BF16 export) is the better choice.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass, field
