@@ -17,9 +17,7 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
-from safetensors.torch import save_file
-
-from ..loader.checkpoint import open_safetensors
+from ..loader.checkpoint import open_safetensors, write_safetensors
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS
 
@@ -154,6 +152,6 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     kept = [k for k in targets if not k.endswith("experts")]
     config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    write_safetensors(out, out_dir / ADAPTER_WEIGHTS, {"format": "pt"})
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

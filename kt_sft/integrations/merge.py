@@ -28,10 +28,9 @@ from types import SimpleNamespace
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from ..formats import fp8_block, int4_group
-from ..loader.checkpoint import Checkpoint, open_safetensors
+from ..loader.checkpoint import Checkpoint, open_safetensors, write_safetensors
 from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -222,7 +221,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                     if not pending[weight]:
                         del pending[weight]
             (tmp / shard).parent.mkdir(parents=True, exist_ok=True)  # a shard may sit in a subdirectory
-            save_file(tensors, str(tmp / shard), metadata=metadata)
+            write_safetensors(tensors, tmp / shard, metadata)
             if progress:
                 progress(n + 1, len(shards), shard)
         for f in source.iterdir():  # config, tokenizer, generation config, remote code: not other weight copies

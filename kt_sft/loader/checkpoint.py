@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 
 def open_safetensors(path: Path):
@@ -20,6 +21,14 @@ def open_safetensors(path: Path):
     except SafetensorError as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or incomplete: download or "
                          "save it again.") from None
+
+
+def write_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
+    """save_file, with a failure to write (permissions, a full disk) said as an OSError naming the file."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        raise OSError(f"cannot write {path} ({e}); check the directory's permissions and free space.") from None
 
 
 def _weight_map(index: Path) -> dict[str, str]:

@@ -301,3 +301,20 @@ def test_a_loop_of_symbolic_links_is_named(adapter, tmp_path, command):
     args = {"prepare": [str(model_dir)], "merge": [str(model_dir), str(adapter_dir)], "demo": []}[command]
     with pytest.raises(ValueError, match="loop1 is a loop of symbolic links; give a real directory"):
         run([command, *args, str(tmp_path / "loop1")])
+
+
+@pytest.mark.parametrize("command", ["export", "merge"])
+def test_a_failed_write_is_named(adapter, tmp_path, monkeypatch, command):
+    # safetensors' own error (a read-only directory, a full disk) came with a traceback and named no file.
+    from safetensors import SafetensorError
+    import kt_sft.loader.checkpoint as checkpoint
+
+    def refuse(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 13, kind: PermissionDenied })")
+    monkeypatch.setattr(checkpoint, "save_file", refuse)
+    model_dir, adapter_dir = adapter
+    args = [str(model_dir), str(adapter_dir)] if command == "merge" else [str(adapter_dir)]
+    extra = ["--model", str(model_dir)] if command == "export" else []
+    assert main([command, *args, str(tmp_path / "out"), *extra]) == 2
+    with pytest.raises(OSError, match=r"cannot write .*safetensors \(Error while serializing.*check the directory's"):
+        run([command, *args, str(tmp_path / "out2"), *extra])
