@@ -74,16 +74,17 @@ def dequantized_copy(src: Path, dst: Path, model_type: str) -> Path:
     return dst
 
 
-def kimi_k25_checkpoint(bf16: Path, dst: Path) -> Path:
+def kimi_k25_checkpoint(bf16: Path, dst: Path, quantization_in_text: bool = False) -> Path:
     """Kimi-K2.5 as published: top-level model_type kimi_k25, the Kimi-K2 text config nested as text_config, the
-    text model's keys under `language_model.` beside a vision tower, RAWINT4 routed experts."""
+    text model's keys under `language_model.` beside a vision tower, RAWINT4 routed experts. quantization_config at
+    the top level, or inside text_config (quantization_in_text: where Kimi-K2.6's loader code reads it)."""
     quantize_checkpoint(bf16, dst, "int4", model_type="kimi_k2")
     state = {"language_model." + k: v for k, v in load_file(str(dst / "model.safetensors")).items()}
     state["vision_tower.patch_embed.proj.weight"] = torch.zeros(8, 3, 2, 2)
     save_file(state, str(dst / "model.safetensors"), metadata={"format": "pt"})
     text = json.loads((dst / "config.json").read_text())
-    qc = text.pop("quantization_config")
+    qc = {} if quantization_in_text else {"quantization_config": text.pop("quantization_config")}
     composite = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
-                 "vision_config": {"patch_size": 2}, "quantization_config": qc}
+                 "vision_config": {"patch_size": 2}, **qc}
     (dst / "config.json").write_text(json.dumps(composite))
     return dst

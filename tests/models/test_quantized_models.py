@@ -127,9 +127,12 @@ def test_missing_scales_are_named(published, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
-def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path):
+@pytest.mark.parametrize("quantization_in_text", [False, True])
+def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path, quantization_in_text):
     """Kimi-K2.5 as published (quantized_checkpoints.kimi_k25_checkpoint): its text model is served."""
-    src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25")
+    src = kimi_k25_checkpoint(published["bf16"], tmp_path / "k25", quantization_in_text)
+    text = json.loads((src / "config.json").read_text())["text_config"]
+    assert ("quantization_config" in text) == quantization_in_text
     out = tmp_path / "prepared"
     assert run(["prepare", str(src), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
