@@ -75,6 +75,11 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                     if ckpt.shape(key) != shape:
                         raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
                                          f"{list(shape)}; check that config.json belongs to these weights.")
+                scale = weight_keys(fmt, arch.expert_key(layer, e, p))[1] if fmt == "int4" else None
+                if scale is not None and ckpt.dtype(scale) != "BF16":  # the engine keeps them in BF16
+                    raise ValueError(f"{scale} is {ckpt.dtype(scale)}; kt_sft reads INT4 group scales as BF16, as "
+                                     "the RAWINT4 checkpoints publish them, and would round these: requantize with "
+                                     "BF16 scales, or prepare a BF16 checkpoint with `--expert-format int4`.")
                 if fmt == "int4" and e == 0:
                     key = weight_keys(fmt, arch.expert_key(layer, e, p))[2]
                     if ckpt.get(key).tolist() != list(want[p]):

@@ -127,6 +127,18 @@ def test_missing_scales_are_named(published, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
+def test_int4_scales_that_are_not_bf16_are_refused(published, tmp_path):
+    # The engine keeps group scales in BF16: float16 or float32 ones would have been rounded without a word.
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "f16_scales"
+    quantize_checkpoint(published["bf16"], src, "int4")
+    state = load_file(str(src / "model.safetensors"))
+    state = {k: v.half() if k.endswith(".weight_scale") else v for k, v in state.items()}
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight_scale is F16; kt_sft reads INT4 group scales"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("quantization_in_text", [False, True])
 def test_kimi_k25_composite_checkpoint_serves_its_text_model(published, tmp_path, quantization_in_text):
     """Kimi-K2.5 as published (quantized_checkpoints.kimi_k25_checkpoint): its text model is served."""
