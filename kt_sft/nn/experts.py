@@ -226,7 +226,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"unknown expert projections {sorted(unknown)}; choose from {list(PROJECTIONS)}.")
         if init not in (True, False, "gaussian"):
             raise ValueError(f"init_lora_weights={init!r} is not supported on routed experts; use true, false or "
-                             "'gaussian'.")
+                             "'gaussian' (LLaMA-Factory: leave out pissa_init, or train PiSSA without the experts "
+                             "among lora_target).")
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
         A, B = nn.ParameterDict(), nn.ParameterDict()

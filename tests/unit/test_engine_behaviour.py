@@ -201,6 +201,8 @@ def test_lora_rank_and_projection_checks(module):
         module.add_lora(0, 1.0)
     with pytest.raises(ValueError, match="unknown expert projections"):
         module.add_lora(4, 8.0, projections=("gate", "o_proj"))
+    with pytest.raises(ValueError, match="'pissa_niter_16' is not supported on routed experts.*leave out pissa_init"):
+        module.add_lora(4, 8.0, init="pissa_niter_16")  # what LLaMA-Factory's pissa_init passes
     module.add_lora(4, 8.0, projections=("down",))
     x, idx, w, g = inputs(SHAPE)
     grads = run_engine(module, x, idx, w, g)
