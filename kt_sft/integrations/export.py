@@ -85,6 +85,12 @@ def require_new_dir(out_dir: Path, what: str) -> None:
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for {what}.")
 
 
+def text_model_type(config: dict) -> str | None:
+    """The canonical model_type of a config's text model (a composite's text_config)."""
+    text = config.get("text_config") if composite_prefix(config.get("model_type")) is not None else config
+    return canonical_model_type(text.get("model_type")) if isinstance(text, dict) else None
+
+
 def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
     """The config.json of the model the adapter was trained on: model_dir's, else the adapter's
     base_model_name_or_path's (never the current directory's when that is empty)."""
@@ -93,7 +99,15 @@ def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -
         looked = f" (looked in '{base}')" if base else " (its base_model_name_or_path is empty)"
         raise FileNotFoundError(f"cannot find the config.json of the model {adapter_dir} was trained on{looked}; pass "
                                 "the model directory with --model.")
-    return read_config(Path(base))
+    model = read_config(Path(base))
+    recorded = config.get("base_model_name_or_path")
+    if model_dir and recorded and (Path(recorded) / "config.json").is_file():
+        # Same shapes, another architecture: its per-expert names would be written without a word.
+        trained, given = text_model_type(read_config(Path(recorded))), text_model_type(model)
+        if trained != given:
+            raise ValueError(f"{adapter_dir} was trained on {recorded}, a {trained} model, but --model {model_dir} is "
+                             f"a {given} model; export it with the model it was trained on.")
+    return model
 
 
 def check_stacked(m: re.Match, t, model: dict, r: int) -> None:

@@ -318,3 +318,17 @@ def test_a_failed_write_is_named(adapter, tmp_path, monkeypatch, command):
     assert main([command, *args, str(tmp_path / "out"), *extra]) == 2
     with pytest.raises(OSError, match=r"cannot write .*safetensors \(Error while serializing.*check the directory's"):
         run([command, *args, str(tmp_path / "out2"), *extra])
+
+
+def test_export_refuses_a_model_of_another_architecture_than_the_adapters(adapter, tmp_path):
+    # With matching shapes, the adapter's experts were written under the other architecture's per-expert names.
+    model_dir, adapter_dir = adapter
+    other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, base_model_name_or_path=str(model_dir)))
+    assert run(["export", str(other), str(tmp_path / "same"), "--model", str(model_dir)]) == 0
+    mixtral = tmp_path / "mixtral"
+    shutil.copytree(model_dir, mixtral)
+    config = json.loads((mixtral / "config.json").read_text())
+    (mixtral / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    with pytest.raises(ValueError, match=r"a qwen3_moe model, but --model .*mixtral is a mixtral model; export it"):
+        run(["export", str(other), str(tmp_path / "out"), "--model", str(mixtral)])
+    assert not (tmp_path / "out").exists()
