@@ -67,6 +67,16 @@ def read_config(model_dir: Path) -> dict:
                        "a model configuration")
 
 
+def text_config(config: dict, config_dir: Path) -> dict:
+    """A config.json's text model: the config itself, or a composite's (Kimi-K2.5) text_config."""
+    if composite_prefix(config.get("model_type")) is None:
+        return config
+    if not isinstance(config.get("text_config"), dict):
+        raise ValueError(f"{config_dir}/config.json declares model_type {config.get('model_type')!r} but has no "
+                         "text_config; the download is incomplete or not that model.")
+    return config["text_config"]
+
+
 def resolved(path: str | Path) -> Path:
     """path made absolute with its links followed; a link loop said in one sentence (Python before 3.13 raises
     RuntimeError for it, 3.13 returns the link unresolved)."""
@@ -85,10 +95,9 @@ def require_new_dir(out_dir: Path, what: str) -> None:
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for {what}.")
 
 
-def text_model_type(config: dict) -> str | None:
-    """The canonical model_type of a config's text model (a composite's text_config)."""
-    text = config.get("text_config") if composite_prefix(config.get("model_type")) is not None else config
-    return canonical_model_type(text.get("model_type")) if isinstance(text, dict) else None
+def text_model_type(config: dict, config_dir: Path) -> str:
+    """The canonical model_type of a config's text model."""
+    return canonical_model_type(text_config(config, config_dir).get("model_type"))
 
 
 def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
@@ -103,7 +112,8 @@ def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -
     recorded = config.get("base_model_name_or_path")
     if model_dir and recorded and (Path(recorded) / "config.json").is_file():
         # Same shapes, another architecture: its per-expert names would be written without a word.
-        trained, given = text_model_type(read_config(Path(recorded))), text_model_type(model)
+        trained = text_model_type(read_config(Path(recorded)), Path(recorded))
+        given = text_model_type(model, Path(base))
         if trained != given:
             raise ValueError(f"{adapter_dir} was trained on {recorded}, a {trained} model, but --model {model_dir} is "
                              f"a {given} model; export it with the model it was trained on.")

@@ -35,7 +35,7 @@ from ..loader.quantization import weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, read_config, require_new_dir,
-                     resolved)
+                     resolved, text_config)
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -83,12 +83,8 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
                                 "deleted?); pass the published checkpoint itself.")
     if settings:
         config = read_config(source)
-    prefix = composite_prefix(config.get("model_type"))
-    text = config.get("text_config") if prefix is not None else config
-    if not isinstance(text, dict):
-        raise ValueError(f"{source}/config.json declares model_type {config.get('model_type')!r} but has no "
-                         "text_config; the download is incomplete or not that model.")
-    return source, prefix or "", {**text, "model_type": canonical_model_type(text.get("model_type"))}
+    text, prefix = text_config(config, source), composite_prefix(config.get("model_type")) or ""
+    return source, prefix, {**text, "model_type": canonical_model_type(text.get("model_type"))}
 
 
 def adapter_updates(adapter_dir: Path, model: dict, prefix: str) -> dict[str, tuple]:

@@ -17,7 +17,7 @@ from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint
 from ..loader.quantization import checkpoint_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
-from .export import read_config, resolved
+from .export import read_config, resolved, text_config
 from .modeling import SETTINGS_KEY
 
 SHIM = "modeling_kt_sft.py"
@@ -51,11 +51,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     # prepared model is not a quantized model to transformers or LLaMA-Factory.
     fmt = checkpoint_format(quantization_config_of(raw))
     prefix = composite_prefix(published_type)
-    if prefix is not None:  # the prepared model is the composite's text model
-        if not isinstance(raw.get("text_config"), dict):
-            raise ValueError(f"{source}/config.json declares model_type {published_type!r} but has no text_config; "
-                             "the download is incomplete or not that model.")
-        raw = dict(raw["text_config"])
+    raw = dict(text_config(raw, source))  # of a composite, the prepared model is its text model
     raw.pop("quantization_config", None)
     raw["model_type"] = canonical_model_type(raw.get("model_type"))
     raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below

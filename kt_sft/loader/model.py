@@ -66,8 +66,8 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         want = ((two_i // 2, H), (two_i // 2, H), (H, two_i // 2))
         for e in range(E):
             for p in range(3):
-                expected = stored_shapes(fmt, want[p])
-                for key, shape in zip(weight_keys(fmt, arch.expert_key(layer, e, p)), expected):
+                keys = weight_keys(fmt, arch.expert_key(layer, e, p))
+                for key, shape in zip(keys, stored_shapes(fmt, want[p])):
                     if key not in ckpt.shard_of:
                         raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
                                          f"layout ({fmt} experts) implies; check that config.json belongs to these "
@@ -75,13 +75,12 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                     if ckpt.shape(key) != shape:
                         raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
                                          f"{list(shape)}; check that config.json belongs to these weights.")
-                scale = weight_keys(fmt, arch.expert_key(layer, e, p))[1] if fmt == "int4" else None
-                if scale is not None and ckpt.dtype(scale) != "BF16":  # the engine keeps them in BF16
-                    raise ValueError(f"{scale} is {ckpt.dtype(scale)}; kt_sft reads INT4 group scales as BF16, as "
-                                     "the RAWINT4 checkpoints publish them, and would round these: requantize with "
+                if fmt == "int4" and ckpt.dtype(keys[1]) != "BF16":  # the engine keeps the scales in BF16
+                    raise ValueError(f"{keys[1]} is {ckpt.dtype(keys[1])}; kt_sft reads INT4 group scales as BF16, "
+                                     "as the RAWINT4 checkpoints publish them, and would round these: requantize with "
                                      "BF16 scales, or prepare a BF16 checkpoint with `--expert-format int4`.")
                 if fmt == "int4" and e == 0:
-                    key = weight_keys(fmt, arch.expert_key(layer, e, p))[2]
+                    key = keys[2]
                     if ckpt.get(key).tolist() != list(want[p]):
                         raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
                                          f"{list(want[p])}; check that config.json belongs to these weights.")
