@@ -1,14 +1,16 @@
 // Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus for BF16
 // activations (a BF16 model's) the tile products of tile_body.h with the tile unit's operations run on
-// vdpbf16ps (Bf16Tiles below), forward, backward and LoRA as the amx set runs them, and for experts with too
+// vdpbf16ps (Bf16Tiles below), forward, backward and LoRA as the amx set runs them, for experts with too
 // few rows for a tile a dot-form product that rounds the activations to BF16 once per row block and
-// multiplies BF16 pairs straight from the weight rows. x is exact in BF16 already; h = silu(g)·u is rounded
-// as the model's own dtype would (tests/tolerances.py: BF16_DOT).
+// multiplies BF16 pairs straight from the weight rows, and for one or two rows of INT4 weights the decode of
+// int4_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is rounded as the model's own dtype would
+// (tests/tolerances.py: BF16_DOT).
 #include <cstring>
 
 #include "simd_avx512.h"
 #include "kernel_body.h"
 #include "tile_body.h"
+#include "int4_bf16_dot.h"
 
 namespace {
 
@@ -122,6 +124,7 @@ const KernelSet& kernels_avx512_bf16() {
     // One to three rows (decode) would leave the dot form's 4-row blocks mostly repeating a row: the
     // AVX-512 product reads the weights once per row instead (Layer Q BF16 decode 4.1 -> 3.2-3.4 ms on Zen 4).
     s.gemm_nt_bf16_act = [](const GemmNT<bf16>& g) { (g.M >= DP_MR ? gemm_nt_bf16_dot : gemm_nt<bf16>)(g); };
+    s.gemm_nt_int4_act = gemm_nt_int4_act;
     s.tiles = &tile_kernels<Bf16Tiles>(true);
     return s;
   }();

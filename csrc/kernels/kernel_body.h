@@ -592,6 +592,7 @@ kt::KernelSet make_kernel_set(const char* name) {
                        gemm_nt<fp8_block>,
                        gemm_nn<fp8_block>,
                        gemm_nt<int4_group>,
+                       gemm_nt<int4_group>,
                        gemm_nn<int4_group>,
                        silu_mul,
                        silu_mul_backward,

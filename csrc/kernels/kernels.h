@@ -177,6 +177,8 @@ struct KernelSet {
   void (*gemm_nt_fp8)(const GemmNT<fp8_block>&);
   void (*gemm_nn_fp8)(const GemmNN<fp8_block>&);
   void (*gemm_nt_int4)(const GemmNT<int4_group>&);
+  // As gemm_nt_bf16_act, for INT4 weights.
+  void (*gemm_nt_int4_act)(const GemmNT<int4_group>&);
   void (*gemm_nn_int4)(const GemmNN<int4_group>&);
   // h = silu(g) * u
   void (*silu_mul)(long n, const float* g, const float* u, float* h);
