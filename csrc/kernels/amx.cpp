@@ -1,7 +1,7 @@
 // Kernel set for AMX (Sapphire Rapids and later): the AVX-512 kernels, plus the tile-unit products of tile_body.h for
-// BF16 activations and, for one or two rows of INT4 weights, the decode of int4_bf16_dot.h. The OS must have granted
-// the tile state to the process first (dispatch.cpp asks); each product loads the tile configuration itself, since
-// other libraries on the same thread (oneDNN) load their own.
+// BF16 activations and, for INT4 weights off the tiles, the dot form of int4_bf16_dot.h. The OS must have granted the
+// tile state to the process first (dispatch.cpp asks); each product loads the tile configuration itself, since other
+// libraries on the same thread (oneDNN) load their own.
 #include "simd_avx512.h"
 #include "kernel_body.h"
 #include "tile_body.h"

@@ -2,7 +2,7 @@
 // activations (a BF16 model's) the tile products of tile_body.h with the tile unit's operations run on
 // vdpbf16ps (Bf16Tiles below), forward, backward and LoRA as the amx set runs them, for experts with too
 // few rows for a tile a dot-form product that rounds the activations to BF16 once per row block and
-// multiplies BF16 pairs straight from the weight rows, and for one or two rows of INT4 weights the decode of
+// multiplies BF16 pairs straight from the weight rows, and for INT4 weights off the tiles the dot form of
 // int4_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is rounded as the model's own dtype would
 // (tests/tolerances.py: BF16_DOT).
 #include <cstring>

@@ -1,9 +1,9 @@
-// INT4 decode on vdpbf16ps, for the sets with AVX-512 BF16 (avx512_bf16, amx) and activations that came in as
-// BF16 (KernelSet::gemm_nt_int4_act): the signed INT4 values are exact in BF16, so one table lookup per 32
-// codes (vpermw) gives BF16 weights that multiply the BF16 activations in pairs, where the float32 form
-// (gemm_nt_int4_split) converts 16 codes per lookup and needs two FMAs for what one vdpbf16ps does. x is exact in
-// BF16 already; h = silu(g)·u is rounded as the model's own BF16 dtype would (tests/tolerances.py: BF16_DOT).
-// Included after kernel_body.h by the two sets' files, compiled with -mavx512bf16.
+// INT4 weights in the dot form on vdpbf16ps (experts off the tiles: decode, a few rows), for the sets with AVX-512 BF16
+// (avx512_bf16, amx) and activations that came in as BF16 (KernelSet::gemm_nt_int4_act): the signed INT4 values are
+// exact in BF16, so one table lookup per 32 codes (vpermw) gives BF16 weights that multiply the BF16 activations in
+// pairs, where the float32 form (gemm_nt_int4_split) converts 16 codes per lookup and needs two FMAs for what one
+// vdpbf16ps does. x is exact in BF16 already; h = silu(g)·u is rounded as the model's own BF16 dtype would
+// (tests/tolerances.py: BF16_DOT). Included after kernel_body.h by the two sets' files, compiled with -mavx512bf16.
 #pragma once
 #include <cstring>
 
@@ -109,9 +109,12 @@ void int4_bf16_dot(const GemmNT<int4_group>& g) {
   }
 }
 
-// One or two activation rows with whole groups; the other shapes as the float32 activations run.
+// Whole groups (K a multiple of 32); any number of activation rows, two at a time: on the dev machine (Zen 4, 2
+// threads) this was faster than widening tiles of weights to float32 for reuse (gemm_nt) at every size tried, up to
+// 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 .. 1024: 41-437 ms against 67-485),
+// and four rows at a time no faster.
 void gemm_nt_int4_act(const GemmNT<int4_group>& g) {
-  if (g.M > 2 || g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
+  if (g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
   g.M == 1 ? int4_bf16_dot<1, 8>(g) : int4_bf16_dot<2, 4>(g);
 }
 

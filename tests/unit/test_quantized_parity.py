@@ -6,7 +6,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import SHAPES as BF16_SHAPES
-from test_experts_parity import check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
+from test_experts_parity import RUNNABLE, TILE_KERNELS, check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
 from tolerances import BF16_DOT, BF16_DOT_DW, BF16_IO, QUANTIZED_IO, for_quantized_kernels, rel_l2
 
 FORMATS = ["fp8", "int4"]
@@ -68,6 +68,27 @@ def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
           for_quantized_kernels(tiles, BF16_IO, bf16_activations=True), shape)
+
+
+# INT4 rows off the tiles with BF16 activations (int4_bf16_dot.h on the sets with tiles) take any number of rows
+# per expert, two at a time: odd counts, a last step of one group (H = 96: 64 + 32 columns; I = 160: 128 + 32),
+# and a block short of 8 weight rows (I = 70: gate's and up's last 6 rows; down's reduction over 70 columns, not
+# whole groups, takes the float32 kernel).
+@pytest.mark.parametrize("name", TILE_KERNELS)
+@pytest.mark.parametrize("shape", [Shape("int4_rows_off_tiles", T=37, H=96, I=160, E=4, K=2),
+                                   Shape("int4_short_row_block", T=9, H=96, I=70, E=4, K=2),
+                                   Shape("int4_three_rows", T=3, H=64, I=96, E=2, K=2)], ids=lambda s: s.name)
+def test_int4_bf16_activations_off_tiles(name, shape):
+    if name not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {name} kernels")
+    kt_sft.configure(kernels=name, tile_min_rows=1 << 20)
+    try:
+        m = make_module(shape, lora=True, expert_format="int4")
+        x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+        check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+              for_quantized_kernels(name, BF16_IO, bf16_activations=True), shape)
+    finally:
+        kt_sft.configure(kernels="", tile_min_rows=0)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
