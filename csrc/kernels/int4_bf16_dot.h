@@ -113,9 +113,22 @@ void int4_bf16_dot(const GemmNT<int4_group>& g) {
 // threads) this was faster than widening tiles of weights to float32 for reuse (gemm_nt) at every size tried, up to
 // 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 .. 1024: 41-437 ms against 67-485),
 // and four rows at a time no faster.
+// At most kDotRows activation rows per pass over the weights, so the thread's reordered copy of them stays small
+// (64 rows of DeepSeek-V3's H = 7168: 0.9 MB) however many rows an expert off the tiles has.
+constexpr int kDotRows = 64;
 void gemm_nt_int4_act(const GemmNT<int4_group>& g) {
   if (g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
-  g.M == 1 ? int4_bf16_dot<1, 8>(g) : int4_bf16_dot<2, 4>(g);
+  if (g.M == 1) return int4_bf16_dot<1, 8>(g);
+  for (int m0 = 0; m0 < g.M; m0 += kDotRows) {
+    GemmNT<int4_group> part = g;
+    part.M = std::min(kDotRows, g.M - m0);
+    if (g.a.ptrs)
+      part.a.ptrs = g.a.ptrs + m0;
+    else
+      part.a.base = g.a.base + m0 * g.a.ld;
+    part.c = g.c + m0 * g.ldc;
+    int4_bf16_dot<2, 4>(part);
+  }
 }
 
 }  // namespace
