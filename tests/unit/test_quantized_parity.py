@@ -71,14 +71,17 @@ def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
 
 
 # INT4 rows off the tiles with BF16 activations (int4_bf16_dot.h on the sets with tiles) take any number of rows
-# per expert, two at a time and at most 64 per pass over the weights: odd counts, over 64 rows, a last step of one
-# group (H = 96: 64 + 32 columns; I = 160: 128 + 32), and a block short of 8 weight rows (I = 70: gate's and up's
-# last 6 rows; down's reduction over 70 columns, not whole groups, takes the float32 kernel).
+# per expert, one alone or two at a time and at most 64 per pass over the weights: odd counts, over 64 rows, a last
+# step of one group (H = 96: 64 + 32 columns; I = 160: 128 + 32; H = 32: that step alone), and weight row blocks
+# cut short (I = 70: gate's and up's last 6 rows, past 4 with two rows at a time and 8 with one; down's reduction
+# over 70 columns, not whole groups, takes the float32 kernel).
 @pytest.mark.parametrize("name", TILE_KERNELS)
 @pytest.mark.parametrize("shape", [Shape("int4_rows_off_tiles", T=37, H=96, I=160, E=4, K=2),
                                    Shape("int4_short_row_block", T=9, H=96, I=70, E=4, K=2),
                                    Shape("int4_three_rows", T=3, H=64, I=96, E=2, K=2),
-                                   Shape("int4_rows_past_one_pass", T=150, H=96, I=160, E=2, K=1)],
+                                   Shape("int4_rows_past_one_pass", T=150, H=96, I=160, E=2, K=1),
+                                   Shape("int4_one_row_one_group", T=1, H=32, I=70, E=2, K=1, routing="few"),
+                                   Shape("int4_one_row_down_half_step", T=1, H=40, I=96, E=2, K=1, routing="few")],
                          ids=lambda s: s.name)
 def test_int4_bf16_activations_off_tiles(name, shape):
     if name not in RUNNABLE:
