@@ -173,9 +173,11 @@ PYBIND11_MODULE(_C, m) {
     std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
     if (ks && ks->tiles) {
       const std::string use = "used for BF16 activations of experts with at least " +
-                              std::to_string(rt.tile_rows_for(true, true)) + " rows in a training call (inference: " +
-                              std::to_string(rt.tile_rows_for(false, true)) + " for BF16 weights, " +
-                              std::to_string(rt.tile_rows_for(false, false)) + " for FP8/INT4)";
+                              std::to_string(rt.tile_rows_for(true, Format::bf16)) +
+                              " rows in a training call (inference: " +
+                              std::to_string(rt.tile_rows_for(false, Format::bf16)) + " for BF16 weights, " +
+                              std::to_string(rt.tile_rows_for(false, Format::fp8_block128)) + " for FP8, " +
+                              std::to_string(rt.tile_rows_for(false, Format::int4_group32)) + " for INT4)";
       const std::string why_no_amx = tiles.empty() ? "" : "; " + tiles;
       tiles = ks->tiles->emulated
                   ? "the tile unit's operations on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +

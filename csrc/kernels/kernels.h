@@ -15,6 +15,9 @@
 
 namespace kt {
 
+// The experts' weight format (moe/experts.h says how it follows from the weights' dtype).
+enum class Format { bf16, fp8_block128, int4_group32 };
+
 // Rows of a matrix, either strided (base + i*ld) or gathered through a pointer per row.
 template <class T>
 struct Rows {

@@ -25,7 +25,6 @@ namespace kt {
 
 enum Proj { GATE = 0, UP = 1, DOWN = 2 };
 
-enum class Format { bf16, fp8_block128, int4_group32 };
 const char* format_name(Format f);
 
 // The expert weights as the caller holds them (the engine keeps views, never copies). The format follows
