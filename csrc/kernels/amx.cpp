@@ -1,11 +1,11 @@
 // Kernel set for AMX (Sapphire Rapids and later): the AVX-512 kernels, plus the tile-unit products of tile_body.h for
-// BF16 activations and, for INT4 weights off the tiles, the dot form of int4_bf16_dot.h. The OS must have granted the
-// tile state to the process first (dispatch.cpp asks); each product loads the tile configuration itself, since other
-// libraries on the same thread (oneDNN) load their own.
+// BF16 activations and, for FP8 and INT4 weights off the tiles, the dot form of quantized_bf16_dot.h. The OS must have
+// granted the tile state to the process first (dispatch.cpp asks); each product loads the tile configuration itself,
+// since other libraries on the same thread (oneDNN) load their own.
 #include "simd_avx512.h"
 #include "kernel_body.h"
 #include "tile_body.h"
-#include "int4_bf16_dot.h"
+#include "quantized_bf16_dot.h"
 
 namespace {
 
@@ -57,7 +57,7 @@ namespace kt {
 const KernelSet& kernels_amx() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("amx");
-    s.gemm_nt_int4_act = gemm_nt_int4_act;
+    use_quantized_bf16_dot(s);
     s.tiles = &tile_kernels<AmxTiles>(false);
     return s;
   }();

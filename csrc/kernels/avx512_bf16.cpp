@@ -1,16 +1,15 @@
-// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus for BF16
-// activations (a BF16 model's) the tile products of tile_body.h with the tile unit's operations run on
-// vdpbf16ps (Bf16Tiles below), forward, backward and LoRA as the amx set runs them, for experts with too
-// few rows for a tile a dot-form product that rounds the activations to BF16 once per row block and
-// multiplies BF16 pairs straight from the weight rows, and for INT4 weights off the tiles the dot form of
-// int4_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is rounded as the model's own dtype would
-// (tests/tolerances.py: BF16_DOT).
+// Kernel set for AVX-512 with the BF16 dot product (vdpbf16ps): the AVX-512 kernels, plus for BF16 activations (a BF16
+// model's) the tile products of tile_body.h with the tile unit's operations run on vdpbf16ps (Bf16Tiles below),
+// forward, backward and LoRA as the amx set runs them, for experts with too few rows for a tile a dot-form product that
+// rounds the activations to BF16 once per row block and multiplies BF16 pairs straight from the weight rows, and for
+// FP8 and INT4 weights off the tiles the dot form of quantized_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is
+// rounded as the model's own dtype would (tests/tolerances.py: BF16_DOT).
 #include <cstring>
 
 #include "simd_avx512.h"
 #include "kernel_body.h"
 #include "tile_body.h"
-#include "int4_bf16_dot.h"
+#include "quantized_bf16_dot.h"
 
 namespace {
 
@@ -124,7 +123,7 @@ const KernelSet& kernels_avx512_bf16() {
     // One to three rows (decode) would leave the dot form's 4-row blocks mostly repeating a row: the
     // AVX-512 product reads the weights once per row instead (Layer Q BF16 decode 4.1 -> 3.2-3.4 ms on Zen 4).
     s.gemm_nt_bf16_act = [](const GemmNT<bf16>& g) { (g.M >= DP_MR ? gemm_nt_bf16_dot : gemm_nt<bf16>)(g); };
-    s.gemm_nt_int4_act = gemm_nt_int4_act;
+    use_quantized_bf16_dot(s);
     s.tiles = &tile_kernels<Bf16Tiles>(true);
     return s;
   }();

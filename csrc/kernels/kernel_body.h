@@ -582,13 +582,14 @@ void lora_dropout(uint32_t row_key, long c0, long n, float p, const float* src, 
     for (long j = 0; j < n; ++j) dst[j] = src[j] * (kt::dropout_keeps(row_key, uint32_t(c0 + j), p) ? scale : 0.f);
 }
 
-kt::KernelSet make_kernel_set(const char* name) {
+[[maybe_unused]] kt::KernelSet make_kernel_set(const char* name) {  // unused in fp8_bf16_dot.cpp
   return kt::KernelSet{name,
                        gemm_nt<bf16>,
                        gemm_nt<bf16>,
                        gemm_nt<float>,
                        gemm_nn<bf16>,
                        gemm_nn<float>,
+                       gemm_nt<fp8_block>,
                        gemm_nt<fp8_block>,
                        gemm_nn<fp8_block>,
                        gemm_nt<int4_group>,

@@ -178,6 +178,8 @@ struct KernelSet {
   void (*gemm_nn_bf16)(const GemmNN<bf16>&);
   void (*gemm_nn_f32)(const GemmNN<float>&);
   void (*gemm_nt_fp8)(const GemmNT<fp8_block>&);
+  // As gemm_nt_bf16_act, for FP8 weights.
+  void (*gemm_nt_fp8_act)(const GemmNT<fp8_block>&);
   void (*gemm_nn_fp8)(const GemmNN<fp8_block>&);
   void (*gemm_nt_int4)(const GemmNT<int4_group>&);
   // As gemm_nt_bf16_act, for INT4 weights.
@@ -205,5 +207,7 @@ const KernelSet& kernels_avx2();
 const KernelSet& kernels_avx512();
 const KernelSet& kernels_avx512_bf16();
 const KernelSet& kernels_amx();
+// FP8 rows off the tiles with BF16 activations on vdpbf16ps (fp8_bf16_dot.cpp): needs AVX-512 BF16 and VBMI.
+void gemm_nt_fp8_bf16_dot(const GemmNT<fp8_block>& g);
 
 }  // namespace kt

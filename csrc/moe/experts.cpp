@@ -152,9 +152,11 @@ void lora_out(const KernelSet& ks, const Lora& lora, int p, long e, long out, in
 }
 
 // The kernel of the set for a weight format. BF16 activations may take the BF16-activation product of
-// BF16 and INT4 weights; float32 activations stay exact.
+// BF16, FP8 and INT4 weights; float32 activations stay exact.
 void run_nt(const KernelSet& ks, const GemmNT<bf16>& g, bool bf16_act) { (bf16_act ? ks.gemm_nt_bf16_act : ks.gemm_nt_bf16)(g); }
-void run_nt(const KernelSet& ks, const GemmNT<fp8_block>& g, bool) { ks.gemm_nt_fp8(g); }
+void run_nt(const KernelSet& ks, const GemmNT<fp8_block>& g, bool bf16_act) {
+  (bf16_act ? ks.gemm_nt_fp8_act : ks.gemm_nt_fp8)(g);
+}
 void run_nt(const KernelSet& ks, const GemmNT<int4_group>& g, bool bf16_act) {
   (bf16_act ? ks.gemm_nt_int4_act : ks.gemm_nt_int4)(g);
 }

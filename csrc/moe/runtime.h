@@ -59,7 +59,7 @@ class Runtime {
   // packs no weights: on AMX, BF16 rows load in place, so tiles pay from a quarter of it; FP8/INT4 rows are
   // decoded and rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice it,
   // as the dot-form kernels beat emulated tiles (16-lane products) there for BF16 rows too. INT4 rows on
-  // vdpbf16ps (int4_bf16_dot.h) beat emulated tiles below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
+  // vdpbf16ps (quantized_bf16_dot.h) beat emulated tiles below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
   // rows per expert, 4% at 16; BENCHMARKS.md, third session of 2026-12-01).
   int tile_rows_for(bool training, Format f) const {
     if (training) return tile_min_rows_;

@@ -70,25 +70,27 @@ def test_quantized_bf16_activations_on_tiles(tiles, fmt, shape):
           for_quantized_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
-# INT4 rows off the tiles with BF16 activations (int4_bf16_dot.h on the sets with tiles) take any number of rows
-# per expert, one alone or two at a time and at most 64 per pass over the weights: odd counts, over 64 rows, a last
-# step of one group (H = 96: 64 + 32 columns; I = 160: 128 + 32; H = 32: that step alone), and weight row blocks
-# cut short (I = 70: gate's and up's last 6 rows, past 4 with two rows at a time and 8 with one; down's reduction
-# over 70 columns, not whole groups, takes the float32 kernel).
+# FP8 and INT4 rows off the tiles with BF16 activations (quantized_bf16_dot.h on the sets with tiles; FP8 where the
+# CPU has AVX-512 VBMI) take any number of rows per expert, one alone or two at a time and at most 64 per pass over
+# the weights: odd counts, over 64 rows, a last step shorter than 64 columns (H = 96: 64 + 32; I = 160: 128 + 32;
+# H = 32: that step alone; FP8 also I = 70: 64 + 6), and weight row blocks cut short (I = 70: gate's and up's last 6
+# rows, past 4 with two rows at a time and 8 with one; INT4's down over 70 columns, not whole groups, takes the
+# float32 kernel).
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", TILE_KERNELS)
-@pytest.mark.parametrize("shape", [Shape("int4_rows_off_tiles", T=37, H=96, I=160, E=4, K=2),
-                                   Shape("int4_short_row_block", T=9, H=96, I=70, E=4, K=2),
-                                   Shape("int4_three_rows", T=3, H=64, I=96, E=2, K=2),
-                                   Shape("int4_rows_past_one_pass", T=150, H=96, I=160, E=2, K=1),
-                                   Shape("int4_one_row_one_group", T=1, H=32, I=70, E=2, K=1, routing="few"),
-                                   Shape("int4_one_row_down_half_step", T=1, H=40, I=96, E=2, K=1, routing="few")],
+@pytest.mark.parametrize("shape", [Shape("rows_off_tiles", T=37, H=96, I=160, E=4, K=2),
+                                   Shape("short_row_block", T=9, H=96, I=70, E=4, K=2),
+                                   Shape("three_rows", T=3, H=64, I=96, E=2, K=2),
+                                   Shape("rows_past_one_pass", T=150, H=96, I=160, E=2, K=1),
+                                   Shape("one_row_one_step", T=1, H=32, I=70, E=2, K=1, routing="few"),
+                                   Shape("one_row_down_short_step", T=1, H=40, I=96, E=2, K=1, routing="few")],
                          ids=lambda s: s.name)
-def test_int4_bf16_activations_off_tiles(name, shape):
+def test_quantized_bf16_activations_off_tiles(fmt, name, shape):
     if name not in RUNNABLE:
         pytest.skip(f"this CPU cannot run the {name} kernels")
     kt_sft.configure(kernels=name, tile_min_rows=1 << 20)
     try:
-        m = make_module(shape, lora=True, expert_format="int4")
+        m = make_module(shape, lora=True, expert_format=fmt)
         x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
         check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
               for_quantized_kernels(name, BF16_IO, bf16_activations=True), shape)

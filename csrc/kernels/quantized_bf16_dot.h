@@ -1,0 +1,200 @@
+// FP8 and INT4 weights in the dot form on vdpbf16ps (experts off the tiles: decode, a few rows), for the sets with
+// AVX-512 BF16 (avx512_bf16, amx) and activations that came in as BF16 (KernelSet::gemm_nt_fp8_act,
+// gemm_nt_int4_act). Both formats' values are exact in BF16 (INT4: −8..7; FP8 e4m3: 3 mantissa bits, and its
+// subnormals are normal BF16 numbers), so a step decodes 64 weights of a row into two BF16 vectors by table lookups
+// and multiplies them in pairs with the activations, which were reordered once per call to meet them; the float32
+// forms (gemm_nt_int4_split, gemm_nt_fused) convert 16 codes per step and need two FMAs for what one vdpbf16ps does.
+// x is exact in BF16 already; h = silu(g)·u is rounded as the model's own BF16 dtype would (tests/tolerances.py:
+// BF16_DOT). Included after kernel_body.h by the two sets' files, compiled with -mavx512bf16 (INT4), and by
+// fp8_bf16_dot.cpp, compiled with -mavx512vbmi besides: FP8's byte lookups need AVX-512 VBMI (Zen 4, Sapphire
+// Rapids; not Cooper Lake), so the sets take that product only where CPUID has it.
+#pragma once
+#include <cstring>
+
+namespace {
+
+// INT4: byte b of a row holds codes 2b (low nibble) and 2b + 1 (high). A step's 32 bytes widened to 16-bit lanes:
+// a lookup of the low nibbles gives the even-indexed codes, one of the bytes shifted right by 4 the odd-indexed
+// ones. The lookup reads an index lane's low 5 bits, so the table repeats the 16 values and the high nibble's low
+// bit left in lane bit 4 needs no mask. Float32 lane i of a step's product sums codes 4i .. 4i + 3, so lanes 0-7
+// belong to the step's first group and 8-15 to its second.
+struct Int4Steps {
+  using Weights = int4_group;
+  using Cursor = Int4Cursor<Simd>;
+  __m512i table;
+  Int4Steps() {
+    alignas(64) uint16_t t[32];
+    for (int i = 0; i < 32; ++i) t[i] = bf16_bits(float((i & 15) - 8));
+    table = _mm512_load_si512(t);
+  }
+  static uint16_t bf16_bits(float v) {  // exact values only: the top half of their float32
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    return uint16_t(bits >> 16);
+  }
+  // Per 64 columns the 32 even-indexed values, then the 32 odd-indexed ones.
+  static const __m512i* order() {
+    alignas(64) static const int16_t idx[64] = {
+        0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+        44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23,
+        25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return reinterpret_cast<const __m512i*>(idx);
+  }
+  void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
+    const char* p = c.codes() + s * 32;
+    const __m256i bytes = _mm256_maskz_loadu_epi8(len == 64 ? ~0u : (1u << (len / 2)) - 1, p);
+    const __m512i w = _mm512_cvtepu8_epi16(bytes);
+    w0 = _mm512_permutexvar_epi16(w, table);
+    w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  }
+  static __m512 scales(const Cursor& c, long s, int len) {
+    uint32_t two = 0;
+    std::memcpy(&two, c.sc + 2 * s, len > 32 ? 4 : 2);
+    const __m512i d = _mm512_set1_epi32(int(two));
+    // lanes 0-7: the first group's BF16 scale shifted up to a float32; 8-15: the second's, kept in place
+    return _mm512_castsi512_ps(
+        _mm512_mask_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(int(0xFFFF0000u))), 0x00FF, d, 16));
+  }
+};
+
+#ifdef __AVX512VBMI__
+// FP8 e4m3: a step's 64 codes index two 128-entry byte tables (the high and low bytes of each magnitude's BF16;
+// vpermi2b reads an index's low 7 bits, so the sign bit is ignored there and ORed into the high byte), and the
+// bytes interleave into words within each 16-byte lane: w0 holds codes 16L .. 16L + 7 of lane L, w1 codes
+// 16L + 8 .. 16L + 15. All 64 share one block scale (blocks of 128 columns).
+struct Fp8Steps {
+  using Weights = fp8_block;
+  using Cursor = Fp8Cursor<Simd>;
+  __m512i hi[2], lo[2];
+  Fp8Steps() {
+    alignas(64) uint8_t h[128], l[128];
+    for (int m = 0; m < 128; ++m) {
+      const uint16_t b = Int4Steps::bf16_bits(kt::fp8_e4m3_to_f32(uint8_t(m)));
+      h[m] = uint8_t(b >> 8), l[m] = uint8_t(b);
+    }
+    for (int t = 0; t < 2; ++t) hi[t] = _mm512_load_si512(h + 64 * t), lo[t] = _mm512_load_si512(l + 64 * t);
+  }
+  static const __m512i* order() {
+    alignas(64) static const int16_t idx[64] = {
+        0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23, 32, 33, 34, 35, 36, 37,
+        38, 39, 48, 49, 50, 51, 52, 53, 54, 55, 8,  9,  10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+        28, 29, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
+    return reinterpret_cast<const __m512i*>(idx);
+  }
+  void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
+    const __m512i codes = _mm512_maskz_loadu_epi8(len == 64 ? ~0ull : (1ull << len) - 1, c.q + s * 64);
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi[0], codes, hi[1]), codes,
+                                                _mm512_set1_epi8(char(0x80)), 0xF8);  // h | (codes & 0x80)
+    const __m512i l = _mm512_permutex2var_epi8(lo[0], codes, lo[1]);
+    w0 = _mm512_unpacklo_epi8(l, h);
+    w1 = _mm512_unpackhi_epi8(l, h);
+  }
+  static __m512 scales(const Cursor& c, long s, int) { return _mm512_set1_ps(c.sc[s * 64 / fp8_block::BLOCK]); }
+};
+#endif
+
+// Activation row x (K values) as BF16 in the steps' order (Codec::order over each 64 columns; zeros past K).
+template <class Codec>
+void bf16_dot_activations(const float* x, long K, bf16* dst) {
+  const __m512i* order = Codec::order();
+  for (long k = 0; k < K; k += 64) {
+    const int len = int(std::min<long>(64, K - k));
+    __m512 v[4];
+    for (int q = 0; q < 4; ++q) {
+      const int n = std::max(0, std::min(16, len - 16 * q));
+      v[q] = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + k + 16 * q);
+    }
+    const __m512bh a = _mm512_cvtne2ps_pbh(v[1], v[0]), b = _mm512_cvtne2ps_pbh(v[3], v[2]);
+    const __m512i l = reinterpret_cast<const __m512i&>(a), h = reinterpret_cast<const __m512i&>(b);
+    _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(l, _mm512_load_si512(order), h));
+    _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(l, _mm512_load_si512(order + 1), h));
+  }
+}
+
+// MR activation rows × NR weight rows per block, every step's float32 sums scaled once.
+template <class Codec, int MR, int NR>
+void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
+  using Cursor = typename Codec::Cursor;
+  const long steps = (g.K + 63) / 64;
+  thread_local kt::aligned_vector<bf16> xs;
+  xs.resize(size_t(g.M) * steps * 64);
+  for (int i = 0; i < g.M; ++i) bf16_dot_activations<Codec>(g.a.at(i), g.K, xs.data() + long(i) * steps * 64);
+  for (int n0 = 0; n0 < g.N; n0 += NR) {
+    const int nr = std::min(NR, g.N - n0);
+    Cursor cur[NR], next[NR];
+    const int nn = std::min(NR, g.N - n0 - NR);
+    for (int j = 0; j < NR; ++j) cur[j] = cursor<Simd>(g.b, n0 + std::min(j, nr - 1));
+    for (int j = 0; j < nn; ++j) next[j] = cursor<Simd>(g.b, n0 + NR + j);
+    NextBlockRequests<Cursor> requests(next, nn, g.K, steps);
+    for (int m0 = 0; m0 < g.M; m0 += MR) {
+      const int mr = std::min(MR, g.M - m0);
+      const bf16* a[MR];
+      for (int i = 0; i < MR; ++i) a[i] = xs.data() + (m0 + std::min(i, mr - 1)) * steps * 64;
+      __m512 acc[MR][NR];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (long s = 0; s < steps; ++s) {
+        requests.segment();
+        const int len = int(std::min<long>(64, g.K - s * 64));
+        __m512bh x0[MR], x1[MR];
+        for (int i = 0; i < MR; ++i) {
+          const __m512i e = _mm512_load_si512(a[i] + s * 64), o = _mm512_load_si512(a[i] + s * 64 + 32);
+          x0[i] = reinterpret_cast<const __m512bh&>(e);
+          x1[i] = reinterpret_cast<const __m512bh&>(o);
+        }
+        for (int j = 0; j < NR; ++j) {
+          __m512i w0, w1;
+          codec.weights(cur[j], s, len, w0, w1);
+          const __m512 sv = Codec::scales(cur[j], s, len);
+          for (int i = 0; i < MR; ++i) {
+            __m512 seg = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<const __m512bh&>(w0), x0[i]);
+            seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w1), x1[i]);
+            acc[i][j] = _mm512_fmadd_ps(seg, sv, acc[i][j]);
+          }
+        }
+      }
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nr; ++j)
+          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]), g.accumulate);
+    }
+  }
+}
+
+// Any number of activation rows: one alone, else two at a time and at most kDotRows per pass over the weights, so
+// the thread's reordered copy of them stays small (64 rows of DeepSeek-V3's H = 7168: 0.9 MB). On the dev machine
+// (Zen 4, 2 threads) INT4 this way was faster than widening tiles of weights to float32 for reuse (gemm_nt) at
+// every size tried, up to 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 .. 1024: 41-437
+// ms against 67-485), and four rows at a time no faster.
+constexpr int kDotRows = 64;
+template <class Codec>
+void gemm_nt_bf16_dot_rows(const GemmNT<typename Codec::Weights>& g) {
+  static const Codec codec;
+  if (g.M == 1) return bf16_dot<Codec, 1, 8>(codec, g);
+  for (int m0 = 0; m0 < g.M; m0 += kDotRows) {
+    GemmNT<typename Codec::Weights> part = g;
+    part.M = std::min(kDotRows, g.M - m0);
+    if (g.a.ptrs)
+      part.a.ptrs = g.a.ptrs + m0;
+    else
+      part.a.base = g.a.base + m0 * g.a.ld;
+    part.c = g.c + m0 * g.ldc;
+    bf16_dot<Codec, 2, 4>(codec, part);
+  }
+}
+
+#ifndef __AVX512VBMI__
+// INT4 needs whole groups (a step's scales are read in pairs of groups).
+void gemm_nt_int4_act(const GemmNT<int4_group>& g) {
+  if (g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
+  gemm_nt_bf16_dot_rows<Int4Steps>(g);
+}
+
+// The BF16-activation products of FP8 and INT4 rows for a set with AVX-512 BF16: FP8's where the CPU has VBMI,
+// else its float32 form.
+void use_quantized_bf16_dot(kt::KernelSet& s) {
+  s.gemm_nt_int4_act = gemm_nt_int4_act;
+  if (__builtin_cpu_supports("avx512vbmi")) s.gemm_nt_fp8_act = kt::gemm_nt_fp8_bf16_dot;
+}
+#endif
+
+}  // namespace
