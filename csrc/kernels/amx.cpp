@@ -57,7 +57,7 @@ namespace kt {
 const KernelSet& kernels_amx() {
   static const KernelSet set = [] {
     KernelSet s = make_kernel_set("amx");
-    use_quantized_bf16_dot(s);
+    use_quantized_bf16_dot(s, true);
     s.tiles = &tile_kernels<AmxTiles>(false);
     return s;
   }();

@@ -123,7 +123,7 @@ const KernelSet& kernels_avx512_bf16() {
     // One to three rows (decode) would leave the dot form's 4-row blocks mostly repeating a row: the
     // AVX-512 product reads the weights once per row instead (Layer Q BF16 decode 4.1 -> 3.2-3.4 ms on Zen 4).
     s.gemm_nt_bf16_act = [](const GemmNT<bf16>& g) { (g.M >= DP_MR ? gemm_nt_bf16_dot : gemm_nt<bf16>)(g); };
-    use_quantized_bf16_dot(s);
+    use_quantized_bf16_dot(s, false);
     s.tiles = &tile_kernels<Bf16Tiles>(true);
     return s;
   }();
