@@ -33,13 +33,7 @@ struct Int4Steps {
     return uint16_t(bits >> 16);
   }
   // Per 64 columns the 32 even-indexed values, then the 32 odd-indexed ones.
-  static const __m512i* order() {
-    alignas(64) static const int16_t idx[64] = {
-        0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
-        44, 46, 48, 50, 52, 54, 56, 58, 60, 62, 1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23,
-        25, 27, 29, 31, 33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
-    return reinterpret_cast<const __m512i*>(idx);
-  }
+  static int column(int lane) { return lane < 32 ? 2 * lane : 2 * (lane - 32) + 1; }
   void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
     const char* p = c.codes() + s * 32;
     const __m256i bytes = _mm256_maskz_loadu_epi8(len == 64 ? ~0u : (1u << (len / 2)) - 1, p);
@@ -74,13 +68,7 @@ struct Fp8Steps {
     }
     for (int t = 0; t < 2; ++t) hi[t] = _mm512_load_si512(h + 64 * t), lo[t] = _mm512_load_si512(l + 64 * t);
   }
-  static const __m512i* order() {
-    alignas(64) static const int16_t idx[64] = {
-        0,  1,  2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23, 32, 33, 34, 35, 36, 37,
-        38, 39, 48, 49, 50, 51, 52, 53, 54, 55, 8,  9,  10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-        28, 29, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 56, 57, 58, 59, 60, 61, 62, 63};
-    return reinterpret_cast<const __m512i*>(idx);
-  }
+  static int column(int lane) { return 16 * (lane % 32 / 8) + 8 * (lane / 32) + lane % 8; }
   void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
     const __m512i codes = _mm512_maskz_loadu_epi8(len == 64 ? ~0ull : (1ull << len) - 1, c.q + s * 64);
     const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi[0], codes, hi[1]), codes,
@@ -93,10 +81,17 @@ struct Fp8Steps {
 };
 #endif
 
-// Activation row x (K values) as BF16 in the steps' order (Codec::order over each 64 columns; zeros past K).
+// Activation row x (K values) as BF16 in the steps' order (lane i of each 64 columns holds column
+// Codec::column(i); zeros past K).
 template <class Codec>
 void bf16_dot_activations(const float* x, long K, bf16* dst) {
-  const __m512i* order = Codec::order();
+  static const auto order = [] {
+    struct alignas(64) Lanes {
+      int16_t idx[64];
+    } o;
+    for (int i = 0; i < 64; ++i) o.idx[i] = int16_t(Codec::column(i));
+    return o;
+  }();
   for (long k = 0; k < K; k += 64) {
     const int len = int(std::min<long>(64, K - k));
     __m512 v[4];
@@ -106,8 +101,8 @@ void bf16_dot_activations(const float* x, long K, bf16* dst) {
     }
     const __m512bh a = _mm512_cvtne2ps_pbh(v[1], v[0]), b = _mm512_cvtne2ps_pbh(v[3], v[2]);
     const __m512i l = reinterpret_cast<const __m512i&>(a), h = reinterpret_cast<const __m512i&>(b);
-    _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(l, _mm512_load_si512(order), h));
-    _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(l, _mm512_load_si512(order + 1), h));
+    _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(l, _mm512_load_si512(order.idx), h));
+    _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(l, _mm512_load_si512(order.idx + 32), h));
   }
 }
 
