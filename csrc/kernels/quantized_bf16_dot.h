@@ -6,8 +6,8 @@
 // forms (gemm_nt_int4_split, gemm_nt_fused) convert 16 codes per step and need two FMAs for what one vdpbf16ps does.
 // x is exact in BF16 already; h = silu(g)·u is rounded as the model's own BF16 dtype would (tests/tolerances.py:
 // BF16_DOT). Included after kernel_body.h by the two sets' files, compiled with -mavx512bf16 (INT4), and by
-// fp8_bf16_dot.cpp, compiled with -mavx512vbmi besides: FP8's byte lookups need AVX-512 VBMI (Zen 4, Sapphire
-// Rapids; not Cooper Lake), so the sets take that product only where CPUID has it.
+// fp8_bf16_dot.cpp (KT_FP8_BF16_DOT defined), compiled with -mavx512vbmi besides: FP8's byte lookups need AVX-512
+// VBMI (Zen 4, Sapphire Rapids; not Cooper Lake), so the sets take that product only where CPUID has it.
 #pragma once
 #include <cstring>
 
@@ -51,7 +51,7 @@ struct Int4Steps {
   }
 };
 
-#ifdef __AVX512VBMI__
+#ifdef KT_FP8_BF16_DOT
 // FP8 e4m3: a step's 64 codes index two 128-entry byte tables (the high and low bytes of each magnitude's BF16;
 // vpermi2b reads an index's low 7 bits, so the sign bit is ignored there and ORed into the high byte), and the
 // bytes interleave into words within each 16-byte lane: w0 holds codes 16L .. 16L + 7 of lane L, w1 codes
@@ -177,7 +177,7 @@ void gemm_nt_bf16_dot_rows(const GemmNT<typename Codec::Weights>& g) {
   }
 }
 
-#ifndef __AVX512VBMI__
+#ifndef KT_FP8_BF16_DOT
 // INT4 needs whole groups (a step's scales are read in pairs of groups).
 void gemm_nt_int4_act(const GemmNT<int4_group>& g) {
   if (g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
