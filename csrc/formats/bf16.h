@@ -1,5 +1,6 @@
 // BF16 storage format: the upper 16 bits of an IEEE float32.
-// Scalar codecs used by the reference kernels and by edge loops of the SIMD kernels.
+// Scalar codecs used by the reference kernels and by edge loops of the SIMD kernels. The codecs of formats/*.h are
+// static: each file gets its own copy, so one compiled with an ISA's flags is never the one a baseline file calls.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -9,7 +10,7 @@ namespace kt {
 using bf16 = uint16_t;
 static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
 
-inline float bf16_to_f32(bf16 v) {
+static inline float bf16_to_f32(bf16 v) {
   uint32_t bits = uint32_t(v) << 16;
   float f;
   std::memcpy(&f, &bits, 4);
@@ -17,7 +18,7 @@ inline float bf16_to_f32(bf16 v) {
 }
 
 // Round to nearest even, as torch's float->bfloat16 cast does; NaN stays a quiet NaN.
-inline bf16 f32_to_bf16(float f) {
+static inline bf16 f32_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40u);
@@ -25,7 +26,7 @@ inline bf16 f32_to_bf16(float f) {
   return bf16(bits >> 16);
 }
 
-inline float to_f32(float v) { return v; }
-inline float to_f32(bf16 v) { return bf16_to_f32(v); }
+static inline float to_f32(float v) { return v; }
+static inline float to_f32(bf16 v) { return bf16_to_f32(v); }
 
 }  // namespace kt

@@ -13,12 +13,12 @@ struct fp8_block {
 
 // e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0 is subnormal. Codes 0x7f/0xff are NaN
 // in the format; the engine refuses weights holding them at construction, so they are never decoded.
-inline float fp8_e4m3_to_f32(uint8_t b) {
+static inline float fp8_e4m3_to_f32(uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
   const float v = e ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
   return b & 0x80 ? -v : v;
 }
 
-inline bool fp8_e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
+static inline bool fp8_e4m3_is_nan(uint8_t b) { return (b & 0x7f) == 0x7f; }
 
 }  // namespace kt

@@ -12,6 +12,8 @@ struct int4_group {
   static constexpr int GROUP = 32;
 };
 
-inline int int4_nibble(const uint32_t* row, long j) { return int((row[j / 8] >> (4 * (j % 8))) & 15u); }
+static inline int int4_nibble(const uint32_t* row, long j) {
+  return int((row[j / 8] >> (4 * (j % 8))) & 15u);
+}
 
 }  // namespace kt

@@ -24,6 +24,18 @@ using kt::int4_group;
 using V = Simd::V;
 constexpr int W = Simd::W;
 
+// The kernels' own buffers: aligned.h's vectors with an allocator type of this file's, so their methods, compiled
+// with this file's ISA flags, have internal linkage too (with kt::aligned_vector the linker could pick this file's
+// copy for a baseline file's calls).
+template <class T>
+struct IsaAligned : kt::LineAligned<T> {
+  IsaAligned() = default;
+  template <class U>
+  IsaAligned(const IsaAligned<U>&) {}
+};
+template <class T>
+using isa_vector = std::vector<T, IsaAligned<T>>;
+
 // Register tiles. Dot form: MR×NR accumulators plus NR B vectors (A comes from memory operands):
 // 16 of 32 zmm on AVX-512, 12 + 4 = 16 ymm on AVX2. Axpy form: MR×NV accumulators + NV B vectors
 // + 1 broadcast: 24 + 4 + 1 zmm, 12 + 2 + 1 ymm. NV·W divides the engine's 64-column blocks.
@@ -306,7 +318,7 @@ void gemm_nt_int4_split(const GemmNT<int4_group>& g) {
   constexpr int G = int4_group::GROUP;
   constexpr float bias = S::int4_split_bias;
   const long groups = g.K / G;
-  thread_local kt::aligned_vector<float> xs, sums, scales;
+  thread_local isa_vector<float> xs, sums, scales;
   xs.resize(size_t(g.M) * g.K);
   if constexpr (bias != 0) sums.resize(size_t(g.M) * groups);
   scales.resize(size_t(NR) * groups);

@@ -111,7 +111,7 @@ template <class Codec, int MR, int NR>
 void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
   using Cursor = typename Codec::Cursor;
   const long steps = (g.K + 63) / 64;
-  thread_local kt::aligned_vector<bf16> xs;
+  thread_local isa_vector<bf16> xs;
   xs.resize(size_t(g.M) * steps * 64);
   for (int i = 0; i < g.M; ++i) bf16_dot_activations<Codec>(g.a.at(i), g.K, xs.data() + long(i) * steps * 64);
   for (int n0 = 0; n0 < g.N; n0 += NR) {

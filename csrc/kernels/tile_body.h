@@ -255,7 +255,7 @@ void tile_nt(const TileNT<TB>& g) {
   long ldw = ld;
   if constexpr (std::is_same_v<TB, bf16>)
     if (!g.b.ptrs && g.N % TR == 0 && g.K % TC == 0) w = g.b.base, ldw = g.b.ld;
-  thread_local kt::aligned_vector<bf16> panel;
+  thread_local isa_vector<bf16> panel;
   if (!w) {  // decoded rows, zeros past N and K: tile loads never leave the panel
     panel.resize(kt::tile_rows(g.N) * ld);
     for (long n = 0; n < g.N; ++n) {
@@ -333,7 +333,7 @@ void tile_nn(const TileNN<TB>& g) {
   constexpr long kLine = TC;
   auto column_stride = [&] { return long(ch) * TBLK + kLine; };
   long cs = column_stride();
-  thread_local kt::aligned_vector<bf16> panel, decoded;
+  thread_local isa_vector<bf16> panel, decoded;
   panel.resize((np / TR) * cs);
   decoded.resize(2 * np);
   // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns:
