@@ -24,13 +24,8 @@ struct Int4Steps {
   __m512i table;
   Int4Steps() {
     alignas(64) uint16_t t[32];
-    for (int i = 0; i < 32; ++i) t[i] = bf16_bits(float((i & 15) - 8));
+    for (int i = 0; i < 32; ++i) t[i] = kt::f32_to_bf16(float((i & 15) - 8));  // exact: no rounding
     table = _mm512_load_si512(t);
-  }
-  static uint16_t bf16_bits(float v) {  // exact values only: the top half of their float32
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    return uint16_t(bits >> 16);
   }
   // Per 64 columns the 32 even-indexed values, then the 32 odd-indexed ones.
   static int column(int lane) { return lane < 32 ? 2 * lane : 2 * (lane - 32) + 1; }
@@ -63,7 +58,7 @@ struct Fp8Steps {
   Fp8Steps() {
     alignas(64) uint8_t h[128], l[128];
     for (int m = 0; m < 128; ++m) {
-      const uint16_t b = Int4Steps::bf16_bits(kt::fp8_e4m3_to_f32(uint8_t(m)));
+      const bf16 b = kt::f32_to_bf16(kt::fp8_e4m3_to_f32(uint8_t(m)));  // exact: 3 mantissa bits
       h[m] = uint8_t(b >> 8), l[m] = uint8_t(b);
     }
     for (int t = 0; t < 2; ++t) hi[t] = _mm512_load_si512(h + 64 * t), lo[t] = _mm512_load_si512(l + 64 * t);
