@@ -100,17 +100,20 @@ void accumulate_into(const View& dst, long offset, long ld, const float* src, lo
     }
 }
 
-// out[t] = Σ_k rows[slot_of[t,k]] for every token, written in out's dtype.
-void combine(const View& out, const float* rows, long ld, const std::vector<int>& slot_of, int T, int K, Runtime& rt,
+// out[t] = Σ w_s · rows[s] over token t's slots s (w_s = 1 without slot_w), written in out's dtype. The slots are
+// summed in their own order, which is the experts' (route's slots run expert by expert), as the forward's
+// down_sum sums them.
+void combine(const View& out, const float* rows, long ld, const Saved& sv, const float* slot_w, Runtime& rt,
              float* per_thread) {
   const KernelSet& ks = rt.kernels();
-  rt.parallel_for(T, [&](long t, int ith) {
+  const int K = sv.K;
+  rt.parallel_for(sv.T, [&](long t, int ith) {
+    thread_local std::vector<int> slots;
+    slots.assign(sv.slot_of.begin() + t * K, sv.slot_of.begin() + (t + 1) * K);
+    std::sort(slots.begin(), slots.end());
     float* acc = per_thread + long(ith) * ld;
     std::fill(acc, acc + ld, 0.f);
-    for (int k = 0; k < K; ++k) {
-      long s = slot_of[t * K + k];
-      ks.axpy(ld, 1.f, rows + s * ld, acc);
-    }
+    for (int s : slots) ks.axpy(ld, slot_w ? slot_w[s] : 1.f, rows + long(s) * ld, acc);
     store_cols(out, t, 0, acc, ld, ks);
   });
 }
@@ -677,13 +680,49 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
                 per_thread + ith * tile, tile);
     });
 
+  // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included.
+  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next) {
+    const int n = rows_of(*sv, e);
+    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next);
+    if (Z[DOWN] && tp.on(e))
+      run_tile(*tp.tk, TileNT<float>{n, cols, r, rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), c, ldc, true, {},
+                                     lora.scale});
+    else if (Z[DOWN])
+      lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, ldc);
+  };
+  auto down_rows = [&](int e, long h0, int width) {
+    return upcoming(e, DOWN, h0, std::min<long>(width, H - h0), 0, I);
+  };
+  const std::vector<int> routed = routed_experts(*sv, E_);
+
+  // Experts of 16 rows or more on average: down per (expert, BLOCK columns) into per-slot rows [N, H] (the
+  // backward's dx scratch, so training's peak is unchanged), then the weighted sum per token (`combine`). The
+  // other form, below, re-reads every expert's h tiles once per column block, which at these sizes outweighs the
+  // slot rows' round trip through memory: on the GPU test machine the forward's down took 52-54 ms this way
+  // against 106-108 at Layer Q, T = 8192, and 177-190 against 250-263 at the DeepSeek-V3 layer, T = 4096; at
+  // ~16-128 rows per expert it ran level or faster (Layer Q T = 512-4096, DeepSeek-V3 T = 512-2048;
+  // BENCHMARKS.md). At decode (one row per expert) the accumulating form's few wide items are faster.
+  if (N >= 16L * E_) {
+    phase("forward.down_slots");
+    float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
+    const long blocks = ceil_div(H, BLOCK);
+    auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * BLOCK}; };
+    rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
+      const auto [e, h0] = block_of(it);
+      const Upcoming next = next_it >= 0 ? down_rows(block_of(next_it).first, block_of(next_it).second, BLOCK)
+                                         : Upcoming{};
+      down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next);
+    });
+    phase("forward.combine");
+    combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);
+    return save ? sv : nullptr;
+  }
+
   phase("forward.down_sum");
   // Down, then the weighted sum over each token's experts, one block of BLOCK output columns per work item:
   // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
-  // so no per-slot output rows [N, H] make the round trip through memory (at Layer Q 134 MB written and read
-  // back, a quarter of the phase on the GPU machine), and each token's sum runs in one fixed order (by expert).
-  // Blocks narrow (to 16 columns) until there are two items per thread.
-  const std::vector<int> routed = routed_experts(*sv, E_);
+  // so no per-slot output rows [N, H] make the round trip through memory, and each token's sum runs in one fixed
+  // order (by expert). Blocks narrow (to 16 columns) until there are two items per thread.
   int width = BLOCK;
   while (width > 16 && ceil_div(H, width) < 2L * rt.threads()) width /= 2;
   // Per thread: the accumulator [T, BLOCK], then one expert's rows [n, BLOCK] (n can pass T when a token names
@@ -692,11 +731,6 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   for (int e : routed) most_rows = std::max(most_rows, rows_of(*sv, e));
   const long per_item = (long(T) + most_rows) * BLOCK;
   float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * per_item);
-  // Down's rows of a column block for one expert; the item's next expert, or the next item's first, after them.
-  auto down_rows = [&](long hblk, size_t at) {
-    const long h0 = hblk * width;
-    return upcoming(routed[at], DOWN, h0, std::min<long>(width, H - h0), 0, I);
-  };
   rt.parallel_for_ahead(ceil_div(H, width), [&](long hblk, long next_blk, int ith) {
     const long h0 = hblk * width;
     const int hb = int(std::min<long>(width, H - h0));
@@ -705,15 +739,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     std::fill(acc, acc + long(T) * BLOCK, 0.f);
     for (size_t at = 0; at < routed.size(); ++at) {
       const int e = routed[at], n = rows_of(*sv, e);
-      const Upcoming next = at + 1 < routed.size() ? down_rows(hblk, at + 1)
-                            : next_blk >= 0        ? down_rows(next_blk, 0)
+      // The item's next expert, or the next item's first, after this one.
+      const Upcoming next = at + 1 < routed.size() ? down_rows(routed[at + 1], h0, width)
+                            : next_blk >= 0        ? down_rows(routed[0], next_blk * width, width)
                                                    : Upcoming{};
-      project(e, DOWN, h0, hb, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, BLOCK, next);
-      if (Z[DOWN] && tp.on(e))
-        run_tile(*tp.tk, TileNT<float>{n, hb, r, rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), c, BLOCK, true, {},
-                                       lora.scale});
-      else if (Z[DOWN])
-        lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, hb, c, BLOCK);
+      down(e, h0, hb, c, BLOCK, next);
       for (int m = 0; m < n; ++m) {
         const long s = sv->offset[e] + m;
         ks.axpy(hb, sv->slot_w[s], c + long(m) * BLOCK, acc + long(sv->slot_token[s]) * BLOCK);
@@ -973,7 +1003,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     }
   });
   phase("backward.dx_sum");
-  combine(gr.dx, dXs, H, sv.slot_of, T, K, rt, per_thread);
+  combine(gr.dx, dXs, H, sv, nullptr, rt, per_thread);
 
   phase("backward.weight_grads");
   // Weight gradients (LoRA overwritten or, where flagged, added into; base accumulated): kinds index the work

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import kt_sft
+from kt_sft.ops import timing
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from tolerances import BF16_GRAD, BF16_IO, FP32_IO, for_kernels, rel_l2
 
@@ -61,6 +62,24 @@ def test_lora_parity_fp32(kernels, shape, lora):
     m = make_module(shape, lora=lora)
     x, idx, w, g = inputs(shape)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
+
+
+@pytest.mark.parametrize("T, down", [(32, ["forward.down_slots", "forward.combine"]), (31, ["forward.down_sum"])])
+def test_down_forms_either_side_of_16_rows_per_expert(kernels, T, down):
+    # From 16 rows per expert on average (N = T·K = 16·E) down writes per-slot rows that the weighted sum per
+    # token follows; below it the accumulating form runs (README, "Work split").
+    shape = Shape(f"down_form_t{T}", T=T, H=48, I=32, E=4, K=2, r=3)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape)
+    timing.profile_engine_phases(True)
+    try:
+        timing.engine_phases(reset=True)
+        got = run_engine(m, x, idx, w, g)
+        phases = [p for p in timing.engine_phases(reset=True) if p.startswith("forward.down") or p == "forward.combine"]
+    finally:
+        timing.profile_engine_phases(False)
+    assert phases == down
+    check(got, run_reference(m, x, idx, w, g), FP32_IO, shape)
 
 
 def some_projections_case(case, dtype=torch.float32):
