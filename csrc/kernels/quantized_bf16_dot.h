@@ -37,8 +37,12 @@ struct Int4Steps {
     w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
   }
   static __m512 scales(const Cursor& c, long s, int len) {
+    // Fixed-size copies: with a run-time size GCC copied through the stack at every step.
     uint32_t two = 0;
-    std::memcpy(&two, c.sc + 2 * s, len > 32 ? 4 : 2);
+    if (len > 32)
+      std::memcpy(&two, c.sc + 2 * s, 4);
+    else
+      std::memcpy(&two, c.sc + 2 * s, 2);
     const __m512i d = _mm512_set1_epi32(int(two));
     // lanes 0-7: the first group's BF16 scale shifted up to a float32; 8-15: the second's, kept in place
     return _mm512_castsi512_ps(
@@ -127,15 +131,20 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
         requests.segment();
         const int len = int(std::min<long>(64, g.K - s * 64));
         __m512bh x0[MR], x1[MR];
+#pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           const __m512i e = _mm512_load_si512(a[i] + s * 64), o = _mm512_load_si512(a[i] + s * 64 + 32);
           x0[i] = reinterpret_cast<const __m512bh&>(e);
           x1[i] = reinterpret_cast<const __m512bh&>(o);
         }
+        // Unrolled whole, so that acc stays in registers: GCC kept it on the stack otherwise (a load and a store
+        // around every FMA), which ran INT4 decode's gate/up ~3x slower on the GPU test machine's Xeon (BENCHMARKS.md).
+#pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) {
           __m512i w0, w1;
           codec.weights(cur[j], s, len, w0, w1);
           const __m512 sv = Codec::scales(cur[j], s, len);
+#pragma GCC unroll 8
           for (int i = 0; i < MR; ++i) {
             __m512 seg = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<const __m512bh&>(w0), x0[i]);
             seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w1), x1[i]);
