@@ -49,10 +49,15 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
               acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh&>(av), reinterpret_cast<__m512bh&>(bv[j]));
           }
         }
-        for (int i = 0; i < mr; ++i)
-          for (int j = 0; j < nr; ++j)
-            store_chunk(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]), g.accumulate,
-                        k0 == 0);
+        // Over the whole block (no run-time loop bound), so that acc needs no copy in memory: GCC stored every
+        // accumulator at every step otherwise.
+#pragma GCC unroll 4
+        for (int i = 0; i < DP_MR; ++i)
+#pragma GCC unroll 4
+          for (int j = 0; j < DP_NR; ++j)
+            if (i < mr && j < nr)
+              store_chunk(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]),
+                          g.accumulate, k0 == 0);
       }
     }
   }

@@ -152,9 +152,14 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
           }
         }
       }
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nr; ++j)
-          store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]), g.accumulate);
+      // Over the whole block, so that no loop bound is known only at run time: otherwise acc needs a copy in
+      // memory, which GCC kept by storing every accumulator at every step.
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; ++j)
+          if (i < mr && j < nr)
+            store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]), g.accumulate);
     }
   }
 }
