@@ -1,0 +1,142 @@
+// Inference forwards (decode at T = 1, or T tokens) of one layer through MoeExperts::forward from C++, with no
+// Python or torch in the process: each call routes every token to a fresh random expert set, as decode does, so
+// the weights come from RAM. Prints the median call of each round and, for the last, the engine's phases. Random
+// weights (INT4 codes / FP8 codes / BF16 values with constant scales), LoRA of rank r on all three projections.
+//   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
+//         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench engine_bench   (one command)
+//   build/bench/engine_bench [threads] [bf16|fp8|int4] [T] [S|Q|DS]      (defaults: all CPUs, int4, 1, Q)
+// KT_SFT_KERNELS picks the kernel set as for the Python package.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe/experts.h"
+#include "moe/runtime.h"
+
+using namespace kt;
+
+namespace {
+
+double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+View view(void* p, DType d, std::vector<int64_t> shape) {
+  View v;
+  v.data = p;
+  v.dtype = d;
+  v.shape = std::move(shape);
+  v.present = true;
+  return v;
+}
+
+struct Shape {
+  long H, I, E, K, r;
+};
+
+Shape shape_named(const std::string& s) {
+  if (s == "S") return {1024, 512, 16, 4, 8};
+  if (s == "DS") return {7168, 2048, 256, 8, 16};
+  return {2048, 768, 128, 8, 16};  // Q: Qwen3-30B-A3B
+}
+
+// The layer's weights in one format, filled with random codes or values and constant scales.
+struct Weights {
+  std::vector<uint32_t> words[2];
+  std::vector<uint8_t> codes[2];
+  std::vector<bf16> values[2], scale16[2];
+  std::vector<float> scale32[2];
+  ExpertWeights views;
+
+  Weights(const std::string& format, const Shape& s, std::mt19937& rng) {
+    const long rows[2] = {2 * s.I, s.H}, cols[2] = {s.H, s.I};  // gate_up [E, 2I, H], down [E, H, I]
+    View w[2], sc[2];
+    for (int p = 0; p < 2; ++p) {
+      const long n = s.E * rows[p] * cols[p];
+      if (format == "int4") {
+        words[p].resize(n / 8);
+        for (auto& x : words[p]) x = rng();
+        scale16[p].assign(n / 32, f32_to_bf16(0.003f));
+        w[p] = view(words[p].data(), DType::i32, {s.E, rows[p], cols[p] / 8});
+        sc[p] = view(scale16[p].data(), DType::bf16, {s.E, rows[p], cols[p] / 32});
+      } else if (format == "fp8") {
+        codes[p].resize(n);
+        for (auto& x : codes[p]) x = uint8_t(rng() & 0xF7);  // never 0x7F / 0xFF (NaN)
+        scale32[p].assign(n / (128 * 128), 0.003f);
+        w[p] = view(codes[p].data(), DType::fp8_e4m3, {s.E, rows[p], cols[p]});
+        sc[p] = p == 0 ? view(scale32[p].data(), DType::f32, {s.E, 2, s.I / 128, s.H / 128})
+                       : view(scale32[p].data(), DType::f32, {s.E, s.H / 128, s.I / 128});
+      } else {
+        values[p].resize(n);
+        for (auto& x : values[p]) x = f32_to_bf16(float(int(rng() % 200) - 100) * 1e-4f);
+        w[p] = view(values[p].data(), DType::bf16, {s.E, rows[p], cols[p]});
+      }
+    }
+    views = {w[0], w[1], sc[0], sc[1]};
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? atoi(argv[1]) : 0;
+  const std::string format = argc > 2 ? argv[2] : "int4";
+  const long T = argc > 3 ? atol(argv[3]) : 1;
+  const Shape s = shape_named(argc > 4 ? argv[4] : "Q");
+  if (format != "bf16" && format != "fp8" && format != "int4") {
+    std::fprintf(stderr, "format must be bf16, fp8 or int4, got %s\n", format.c_str());
+    return 2;
+  }
+  const char* kernels = getenv("KT_SFT_KERNELS");
+  Runtime::get().configure(threads, true, kernels ? kernels : "", 0);
+  std::mt19937 rng(3);
+  Weights weights(format, s, rng);
+  MoeExperts experts(int(s.E), int(s.H), int(s.I), weights.views);
+
+  std::vector<float> A[3], B[3];
+  Lora lora;
+  lora.r = int(s.r);
+  lora.scale = 2.f;
+  const long in[3] = {s.H, s.H, s.I}, out[3] = {s.I, s.I, s.H};
+  for (int p = 0; p < 3; ++p) {
+    A[p].resize(s.E * s.r * in[p]);
+    for (auto& x : A[p]) x = float(int(rng() % 200) - 100) * 1e-4f;
+    B[p].assign(s.E * out[p] * s.r, 0.f);
+    lora.A[p] = view(A[p].data(), DType::f32, {s.E, s.r, in[p]});
+    lora.B[p] = view(B[p].data(), DType::f32, {s.E, out[p], s.r});
+  }
+  std::vector<bf16> x(T * s.H), y(T * s.H);
+  for (auto& v : x) v = f32_to_bf16(float(int(rng() % 200) - 100) * 0.01f);
+  std::vector<float> route_w(T * s.K, 1.f / float(s.K));
+  std::vector<std::vector<int64_t>> routes(40);
+  std::vector<int64_t> perm(s.E);
+  for (auto& route : routes)
+    for (long t = 0; t < T; ++t) {
+      for (long e = 0; e < s.E; ++e) perm[e] = e;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      route.insert(route.end(), perm.begin(), perm.begin() + s.K);
+    }
+
+  Runtime& rt = Runtime::get();
+  const int rounds = 4;
+  for (int round = 0; round < rounds; ++round) {
+    rt.set_profiling(round == rounds - 1);
+    rt.phase_seconds(true);
+    std::vector<double> ms;
+    for (auto& route : routes) {
+      const double t0 = now();
+      experts.forward(view(x.data(), DType::bf16, {T, s.H}), view(route.data(), DType::i64, {T, s.K}),
+                      view(route_w.data(), DType::f32, {T, s.K}), view(y.data(), DType::bf16, {T, s.H}), lora, false);
+      ms.push_back((now() - t0) * 1e3);
+    }
+    std::sort(ms.begin(), ms.end());
+    std::printf("%s T=%ld, %d threads, kernels %s: median call %.3f ms", format.c_str(), T, rt.threads(),
+                rt.kernels().name, ms[ms.size() / 2]);
+    if (round == rounds - 1)
+      for (const auto& [phase, seconds] : rt.phase_seconds(true))
+        std::printf(" | %s %.3f", phase.c_str(), seconds / double(routes.size()) * 1e3);
+    std::printf("\n");
+  }
+}
