@@ -537,7 +537,7 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
   const long N = T * K;
   return size_t(2 * T * H            // x and dout as float32
                 + 4 * N * I          // h, p and (backward) dg, du; forward g, u when not saved
-                + std::max(N * H, threads * (T + N) * BLOCK)  // backward's per-slot dx; forward's down columns
+                + std::max(N * H, threads * (T + N) * BLOCK)  // per-slot rows (dx; forward's down); down_sum's
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
@@ -695,13 +695,15 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   };
   const std::vector<int> routed = routed_experts(*sv, E_);
 
-  // Experts of 16 rows or more on average: down per (expert, BLOCK columns) into per-slot rows [N, H] (the
-  // backward's dx scratch, so training's peak is unchanged), then the weighted sum per token (`combine`). The
-  // other form, below, re-reads every expert's h tiles once per column block, which at these sizes outweighs the
-  // slot rows' round trip through memory: on the GPU test machine the forward's down took 52-54 ms this way
-  // against 106-108 at Layer Q, T = 8192, and 177-190 against 250-263 at the DeepSeek-V3 layer, T = 4096; at
-  // ~16-128 rows per expert it ran level or faster (Layer Q T = 512-4096, DeepSeek-V3 T = 512-2048;
-  // BENCHMARKS.md). At decode (one row per expert) the accumulating form's few wide items are faster.
+  // Experts of 16 rows or more on average: down per (expert, BLOCK columns) into per-slot rows [N, H], then the
+  // weighted sum per token (`combine`). The rows are the backward's dx scratch, so training's peak is unchanged;
+  // an inference call this large (a long prompt) now holds N·H floats of scratch too. The items run expert by
+  // expert, so an expert's h stays in cache across its column blocks; the other form, below, reads every expert's
+  // h again for each column block, which at these sizes outweighs the slot rows' round trip through memory: on
+  // the GPU test machine the forward's down took 52-54 ms this way against 106-108 at Layer Q, T = 8192, and
+  // 177-190 against 250-263 at the DeepSeek-V3 layer, T = 4096; at ~16-128 rows per expert it ran level (within
+  // the noise) or faster (Layer Q T = 512-4096, DeepSeek-V3 T = 512-2048; BENCHMARKS.md). At decode (one row per
+  // expert) the accumulating form's few wide items are faster.
   if (N >= 16L * E_) {
     phase("forward.down_slots");
     float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
@@ -709,8 +711,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * BLOCK}; };
     rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
       const auto [e, h0] = block_of(it);
-      const Upcoming next = next_it >= 0 ? down_rows(block_of(next_it).first, block_of(next_it).second, BLOCK)
-                                         : Upcoming{};
+      Upcoming next;
+      if (next_it >= 0) {
+        const auto [next_e, next_h0] = block_of(next_it);
+        next = down_rows(next_e, next_h0, BLOCK);
+      }
       down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next);
     });
     phase("forward.combine");

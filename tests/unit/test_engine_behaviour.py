@@ -15,9 +15,12 @@ from kt_sft.ops.timing import engine_seconds, engine_timer, reset_engine_seconds
 SHAPE = Shape("typical", T=64, H=96, I=80, E=8, K=3, r=5)
 
 
-def test_thread_counts_give_identical_results():
-    m = make_module(SHAPE, lora=True, train_base=True)
-    x, idx, w, g = inputs(SHAPE)
+# N = T·K ≥ 16·E takes the forward's per-slot down rows, fewer its down_sum (README, "Work split"), whose
+# column blocks narrow with the thread count.
+@pytest.mark.parametrize("shape", [SHAPE, replace(SHAPE, name="down_sum", T=40)], ids=["down_slots", "down_sum"])
+def test_thread_counts_give_identical_results(shape):
+    m = make_module(shape, lora=True, train_base=True)
+    x, idx, w, g = inputs(shape)
     results = []
     for threads in (1, 2, 3):
         kt_sft.configure(threads=threads)
