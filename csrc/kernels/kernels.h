@@ -103,8 +103,19 @@ struct Upcoming {
   long stride = 0, len = 0, rows = 0;
 };
 
-// C[m, n] (+)= alpha · Σ_k A[m, k] · B[n, k], A in the nt layout. B may also be float32 (LoRA matrices,
-// rank-space rows): rounded to BF16 as the kernel reads it, as the quantized weights are decoded.
+// A further reduction segment of a tile product: its own A operand (BF16, the product's layout, K columns)
+// times float32 rows (LoRA's A or B) × scale, rounded to BF16 as the kernel reads them.
+struct TileF32 {
+  const bf16* a = nullptr;  // none when null
+  Rows<float> b{};
+  int K = 0;
+  float scale = 1.f;
+};
+
+// C[m, n] (+)= alpha · (Σ_k A[m, k] · B[n, k] + the f32 segment's sum), A in the nt layout. B may also be
+// float32 (LoRA matrices, rank-space rows): rounded to BF16 as the kernel reads it, as the quantized weights
+// are decoded. With `stream` (and not accumulate), whole aligned 64-byte rows of C are written around the caches
+// (no read for ownership): for results that nothing reads before they have left the cache anyway.
 template <class TB>
 struct TileNT {
   int M, N, K;
@@ -115,6 +126,8 @@ struct TileNT {
   bool accumulate;
   Upcoming next;
   float alpha = 1.f;
+  TileF32 f32{};
+  bool stream = false;
 };
 
 // Bytes of the packed weight panel a tile_nn product keeps in the core's L2 for its reuse by every 32-row block
@@ -124,7 +137,8 @@ constexpr long kPanelBytes = 1L << 20;
 // C[m, n] (+)= alpha · Σ_k A[m, k] · B[k, b_off + n], A in the nn layout. The reduction may go on over more
 // segments, each with its own A operand (nn layout, nn_ld of its K per row) and B rows read from column b_off:
 // a second matrix of B's format (`second`), then float32 rows times their own scale (`f32`, LoRA's A), so
-// that one product sums what would take several passes over C.
+// that one product sums what would take several passes over C. `stream` as for TileNT (where the reduction
+// runs in one chunk).
 template <class TB>
 struct TileNN {
   int M, N, K;
@@ -141,12 +155,8 @@ struct TileNN {
     Rows<TB> b{};
     int K = 0;
   } second{};
-  struct F32 {
-    const bf16* a = nullptr;  // none when null
-    Rows<float> b{};
-    int K = 0;
-    float scale = 1.f;
-  } f32[2]{};
+  TileF32 f32[2]{};
+  bool stream = false;
 };
 
 struct TileKernels {

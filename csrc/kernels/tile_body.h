@@ -181,9 +181,11 @@ inline void request_share(const kt::Upcoming& u, long at, long total) {
 }
 
 // Stores one 16×16 result tile `t` (row-major, as the tile unit writes it) times alpha to C at (m0, n0),
-// keeping the mr × nr part inside C; with `transposed`, t holds the result's columns as its rows.
+// keeping the mr × nr part inside C; with `transposed`, t holds the result's columns as its rows. With `stream`
+// (not accumulating), rows of 16 columns on a 64-byte boundary go around the caches; the product ends with an
+// sfence then, so that they are visible to the threads that read them after the phase.
 void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, float* c, long ldc, bool accumulate,
-              float alpha) {
+              float alpha, bool stream) {
   const __mmask16 cols = first16(nr);
   __m512i rows[TR];
   if (transposed) {
@@ -195,7 +197,10 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
     __m512 v = transposed ? _mm512_castsi512_ps(rows[i]) : _mm512_maskz_loadu_ps(cols, t + i * TR);
     if (alpha != 1.f) v = _mm512_mul_ps(v, _mm512_set1_ps(alpha));
     if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, row));
-    _mm512_mask_storeu_ps(row, cols, v);
+    if (stream && !accumulate && nr == TR && reinterpret_cast<uintptr_t>(row) % 64 == 0)
+      _mm512_stream_ps(row, v);
+    else
+      _mm512_mask_storeu_ps(row, cols, v);
   }
 }
 
@@ -246,11 +251,12 @@ void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile 
   }
 }
 
-// Dot form, transposed: result tile (i, j) = weight rows i·16.., activation rows j·16...
+// Dot form, transposed: result tile (i, j) = weight rows i·16.., activation rows j·16... The f32 segment's rows
+// (LoRA's B) × scale, rounded to BF16 into a panel of their own, are its last reduction blocks.
 template <class Tiles, class TB>
 void tile_nt(const TileNT<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
-  const long ld = kt::tile_ld(g.K);
+  const long ld = kt::tile_ld(g.K), ldf = kt::tile_ld(g.f32.K);
   const bf16* w = nullptr;
   long ldw = ld;
   if constexpr (std::is_same_v<TB, bf16>)
@@ -267,7 +273,12 @@ void tile_nt(const TileNT<TB>& g) {
     std::fill(panel.begin() + g.N * ld, panel.end(), bf16(0));
     w = panel.data();
   }
-  const int KC = int(ld / TC), IB = int(kt::tile_rows(g.N) / TR);
+  thread_local isa_vector<bf16> f32_panel;
+  if (g.f32.a) {
+    f32_panel.assign(kt::tile_rows(g.N) * ldf, bf16(0));
+    for (long n = 0; n < g.N; ++n) row_bf16(g.f32.b, n, 0, g.f32.K, f32_panel.data() + n * ldf, g.f32.scale);
+  }
+  const int KW = int(ld / TC), KF = g.f32.a ? int(ldf / TC) : 0, KC = KW + KF, IB = int(kt::tile_rows(g.N) / TR);
   // Weights read in place: the rows of the next block row pair (2·16 rows of K columns, 1.5-14 KB apart, 32
   // streams that the hardware prefetchers do not follow) are requested into L2 a slice per step while this
   // pair computes, so that the pass that first reads them does not wait on memory.
@@ -284,13 +295,19 @@ void tile_nt(const TileNT<TB>& g) {
                    _MM_HINT_T1);
   };
   tile_blocks<Tiles>(
-      IB, int(kt::tile_rows(g.M) / TR), KC, [&](int) { return ldw * 2; }, TBYTES,
-      [&](int i, int kc) { return w + long(i) * TR * ldw + kc * TC; },
-      [&](int j, int kc) { return g.a + (long(j) * KC + kc) * TBLK; }, [](int, int) {}, ahead,
+      IB, int(kt::tile_rows(g.M) / TR), KC, [&](int kc) { return (kc < KW ? ldw : ldf) * 2; }, TBYTES,
+      [&](int i, int kc) {
+        return kc < KW ? w + long(i) * TR * ldw + kc * TC : f32_panel.data() + long(i) * TR * ldf + (kc - KW) * TC;
+      },
+      [&](int j, int kc) {
+        return kc < KW ? g.a + (long(j) * KW + kc) * TBLK : g.f32.a + (long(j) * KF + kc - KW) * TBLK;
+      },
+      [](int, int) {}, ahead,
       [&](int i, int j, const float* t) {
         put_tile(t, true, j * TR, std::min(TR, g.M - j * TR), i * TR, std::min(TR, g.N - i * TR), g.c, g.ldc,
-                 g.accumulate, g.alpha);
+                 g.accumulate, g.alpha, g.stream);
       });
+  if (g.stream) _mm_sfence();
 }
 
 // Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of its
@@ -427,9 +444,10 @@ void tile_nn(const TileNN<TB>& g) {
         [&](int j, int kc) { return panel.data() + long(j) * cs + long(kc) * TBLK; }, make_b, ahead,
         [&](int i, int j, const float* t) {
           put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
-                   g.accumulate || c0 > 0, g.alpha);
+                   g.accumulate || c0 > 0, g.alpha, g.stream && CH == KC);
         });
   }
+  if (g.stream) _mm_sfence();
 }
 
 template <class Tiles>

@@ -634,15 +634,20 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   const bool bf16_act = x.dtype == DType::bf16;
   // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
   // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
-  // on their float32 rows `act`. The tile product requests `next`, the weights of the thread's next product.
+  // on their float32 rows `act`. The tile product requests `next`, the weights of the thread's next product,
+  // sums the segment `f32` too, and streams its results with `stream` (TileNT).
   auto project = [&](int e, int p, long row0, int cols, int K, const bf16* tiles, Rows<float> act, float* c,
-                     long ldc, const Upcoming& next) {
+                     long ldc, const Upcoming& next, const TileF32& f32 = {}, bool stream = false) {
     const int n = rows_of(*sv, e);
     with_rows(e, p, row0, [&](const auto& rows) {
-      if (tp.on(e))
-        run_tile(*tp.tk, tile_nt(n, cols, K, tiles, rows, c, ldc, next));
-      else
+      if (tp.on(e)) {
+        auto g = tile_nt(n, cols, K, tiles, rows, c, ldc, next);
+        g.f32 = f32;
+        g.stream = stream;
+        run_tile(*tp.tk, g);
+      } else {
         run_nt(ks, weight_nt(n, cols, K, act, rows, c, ldc), bf16_act);
+      }
     });
   };
   // Gate's rows of a block, then up's; the next item's gate rows after them.
@@ -680,15 +685,15 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
                 per_thread + ith * tile, tile);
     });
 
-  // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included.
-  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next) {
-    const int n = rows_of(*sv, e);
-    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next);
-    if (Z[DOWN] && tp.on(e))
-      run_tile(*tp.tk, TileNT<float>{n, cols, r, rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), c, ldc, true, {},
-                                     lora.scale});
-    else if (Z[DOWN])
-      lora_out(ks, lora, DOWN, e, H, n, Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, ldc);
+  // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included:
+  // on tiles z·Bᵀ is the product's last reduction block, so c is stored once (and streamed with `stream`).
+  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next, bool stream) {
+    const bool lora_on_tiles = Z[DOWN] && tp.on(e);
+    const TileF32 lora_seg =
+        lora_on_tiles ? TileF32{rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), r, lora.scale} : TileF32{};
+    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next, lora_seg, stream);
+    if (Z[DOWN] && !lora_on_tiles)
+      lora_out(ks, lora, DOWN, e, H, rows_of(*sv, e), Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, ldc);
   };
   auto down_rows = [&](int e, long h0, int width) {
     return upcoming(e, DOWN, h0, std::min<long>(width, H - h0), 0, I);
@@ -703,7 +708,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // the GPU test machine the forward's down took 52-54 ms this way against 106-108 at Layer Q, T = 8192, and
   // 177-190 against 250-263 at the DeepSeek-V3 layer, T = 4096; at ~16-128 rows per expert it ran level (within
   // the noise) or faster (Layer Q T = 512-4096, DeepSeek-V3 T = 512-2048; BENCHMARKS.md). At decode (one row per
-  // expert) the accumulating form's few wide items are faster.
+  // expert) the accumulating form's few wide items are faster. The slot rows are streamed past the caches
+  // (nothing reads them before combine): Layer Q's phase 8-11 ms against 11-14 stored through them at T = 2048,
+  // 23-31 against 35-40 at T = 8192.
   if (N >= 16L * E_) {
     phase("forward.down_slots");
     float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
@@ -716,7 +723,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
         const auto [next_e, next_h0] = block_of(next_it);
         next = down_rows(next_e, next_h0, BLOCK);
       }
-      down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next);
+      down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next, true);
     });
     phase("forward.combine");
     combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);
@@ -748,7 +755,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       const Upcoming next = at + 1 < routed.size() ? down_rows(routed[at + 1], h0, width)
                             : next_blk >= 0        ? down_rows(routed[0], next_blk * width, width)
                                                    : Upcoming{};
-      down(e, h0, hb, c, BLOCK, next);
+      down(e, h0, hb, c, BLOCK, next, false);
       for (int m = 0; m < n; ++m) {
         const long s = sv->offset[e] + m;
         ks.axpy(hb, sv->slot_w[s], c + long(m) * BLOCK, acc + long(sv->slot_token[s]) * BLOCK);
@@ -983,6 +990,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
           if constexpr (std::is_same_v<std::decay_t<decltype(gate)>, std::decay_t<decltype(up)>>) {
             auto g = tile_nn(n, hb, int(I), tp.at_nn(GT, e, I), gate, h0, c, H, false, next);
             g.second = {tp.at_nn(UT, e, I), up, int(I)};
+            g.stream = true;  // dx_sum reads the slot rows (N·H floats) after they have left the cache
             for (int p = GATE; p <= UP; ++p)
               if (lora_on[p]) g.f32[p] = {rk.rank_nn_at(WT[p], e), lora_a(lora, p, e, H), r, s};
             run_tile(*tp.tk, g);
