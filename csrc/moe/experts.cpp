@@ -611,20 +611,36 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // with contiguous rows (experts with more than kLoraDotRows rows; down's only off tiles), and x in the tile
   // layout for experts on tiles.
   phase("forward.pack_x_lora_in");
-  for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
-    const int n = rows_of(*sv, int(e));
-    if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
-    for (int p = 0; p < 3; ++p) {
-      if (lora.A[p].empty()) continue;
-      if (n > kLoraDotRows && (p != DOWN || !tp.on(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
-      if (p == DOWN) continue;
-      if (tp.on(int(e)))
-        lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), gathered(xrows, *sv, int(e)), H, ith);
-      else
-        lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
-                per_thread + ith * tile, tile);
-    }
-  });
+  // With no expert on tiles (decode: a row or two per expert) each (expert, projection) is its own work item, so
+  // the few routed experts' B transposes and rank-space products spread over the threads: at Layer Q decode (8
+  // experts, 15 threads) the phase took 0.019-0.022 ms against 0.027-0.034 one item per expert (BENCHMARKS.md).
+  // On tiles an expert's x tiles feed its gate and up, so the expert stays one item.
+  const std::vector<int> routed = routed_experts(*sv, E_);
+  if (!tp.rows()) {
+    rt.parallel_for(long(routed.size()) * 3, [&](long i, int ith) {
+      const int e = routed[i / 3], p = int(i % 3), n = rows_of(*sv, e);
+      if (lora.A[p].empty()) return;
+      if (n > kLoraDotRows) transpose_b(lora, p, e, outd[p], bt[p]);
+      if (p != DOWN)
+        lora_in(ks, lora, p, *sv, e, gathered(xrows, *sv, e), H, Z[p] + sv->offset[e] * r, per_thread + ith * tile,
+                tile);
+    });
+  } else {
+    for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
+      const int n = rows_of(*sv, int(e));
+      if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
+      for (int p = 0; p < 3; ++p) {
+        if (lora.A[p].empty()) continue;
+        if (n > kLoraDotRows && (p != DOWN || !tp.on(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
+        if (p == DOWN) continue;
+        if (tp.on(int(e)))
+          lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), gathered(xrows, *sv, int(e)), H, ith);
+        else
+          lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
+                  per_thread + ith * tile, tile);
+      }
+    });
+  }
 
   phase("forward.gate_up");
   std::vector<Item> items;
@@ -698,7 +714,6 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   auto down_rows = [&](int e, long h0, int width) {
     return upcoming(e, DOWN, h0, std::min<long>(width, H - h0), 0, I);
   };
-  const std::vector<int> routed = routed_experts(*sv, E_);
 
   // Experts of 16 rows or more on average: down per (expert, BLOCK columns) into per-slot rows [N, H], then the
   // weighted sum per token (`combine`). The rows are the backward's dx scratch, so training's peak is unchanged;
