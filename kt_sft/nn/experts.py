@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import _C, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
-from ..ops.experts_function import ExpertsFunction, engine_inputs, run_forward, to_caller, to_engine
+from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -364,8 +364,16 @@ class KTExperts(LoadsInPlace, nn.Module):
                     raise ValueError(f"{name} holds NaN or Inf values; check the layer before the experts "
                                      "(check_finite=True reported it).")
 
+    def queue_beside(self, work) -> None:
+        """work() (GPU work that does not need this module's result) runs once, while the engine computes this
+        module's next forward; in training, the backward of what it builds runs while the engine computes this
+        call's backward (ops/experts_function.py). models/overlap.py queues a block's shared experts this way;
+        queue_beside(None) drops what was queued."""
+        self.__dict__["_beside"] = work
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        beside = self.__dict__.pop("_beside", None)
         self._check(hidden_states, top_k_index, top_k_weights)
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
@@ -384,7 +392,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             keep = (keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
                     and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
-                                     dropout=dropout)
+                                     dropout=dropout, beside=beside)
             self.__dict__["_kept"] = None
             if keep:
                 inputs = own(xc, hidden_states), own(idx, top_k_index), own(w, top_k_weights)
@@ -392,8 +400,7 @@ class KTExperts(LoadsInPlace, nn.Module):
                 if hidden_states.device.type == "cpu":  # to_caller would hand out the kept result itself
                     out = out.clone()
             return to_caller(out, hidden_states.device, hidden_states.dtype)
-        return ExpertsFunction.apply(hidden_states, top_k_index, top_k_weights, self, (r, scale, dropout),
-                                     self.gate_up_proj, self.down_proj, *lora)
+        return experts_call(self, hidden_states, top_k_index, top_k_weights, (r, scale, dropout), lora, beside)
 
     def __deepcopy__(self, memo):
         # The engine (C++) holds these experts' weights and state; a copy would need a second engine over a second

@@ -1,4 +1,6 @@
-"""The autograd Function over the CPU engine: moves tensors, calls the engine, nothing else (STYLE.md 6).
+"""The autograd Functions over the CPU engine: move tensors, call the engine, nothing else (STYLE.md 6). A
+training call is two autograd nodes, StartEngine and EngineResult, so that GPU work queued between them runs
+while the engine computes, in forward and in backward (EngineCall says how).
 
 Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 CPU matrices go straight
 into `param.grad` (KTExperts.lora_grad_into: a buffer the module keeps and reuses when the grad is None, else
@@ -8,15 +10,18 @@ zeros when missing), so a multi-GB expert stack is never materialized twice.
 """
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 
 from .._ext import view
-from .timing import engine_timer
+from .timing import add_engine_seconds, engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
-# x, top_k_index, top_k_weights, module, lora settings, gate_up, down; then the 6 LoRA matrices
-N_FIXED_INPUTS = 7
-GATE_UP_INPUT, DOWN_INPUT = 5, 6
+# StartEngine's inputs: call, x, top_k_index, top_k_weights, gate_up, down; then the 6 LoRA matrices
+N_FIXED_INPUTS = 6
+GATE_UP_INPUT, DOWN_INPUT = 4, 5
 
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -63,56 +68,133 @@ def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
 
-def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0)):
-    """One engine forward on prepared CPU tensors, its output bound for device; returns (out, saved-or-None).
-    dropout: (p, seed) of LoRA dropout (p = 0: none)."""
+def start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0), now=True):
+    """Starts one engine forward on prepared CPU tensors, its output bound for device: returns (out, Running),
+    whose wait() gives the engine's saved state (or None). now: run it on this thread at once; else the engine's
+    driver thread runs it while the caller goes on. dropout: (p, seed) of LoRA dropout (p = 0: none)."""
     out = host_empty(xc.shape, xc.dtype, device)
-    with engine_timer("forward"):
-        saved = engine.forward(
-            view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
-            lora_r, lora_scale, lora_views(lora32), save, *dropout, now=True,
-        ).wait()
-    return out, saved
+    t0 = time.perf_counter()
+    pending = engine.forward(view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
+                             lora_r, lora_scale, lora_views(lora32), save, *dropout, now=now)
+    return out, Running(pending, "forward", t0)
 
 
-class ExpertsFunction(torch.autograd.Function):
+class Running(NamedTuple):
+    """An engine call in flight; wait() returns its result and adds its wall time, from its start, to the step
+    profile's phase (engine_timer's phases)."""
+    pending: object
+    phase: str
+    t0: float
+
+    def wait(self):
+        result = self.pending.wait()
+        add_engine_seconds(self.phase, time.perf_counter() - self.t0)
+        return result
+
+
+def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0), beside=None):
+    """One engine forward, as start_forward; beside() (GPU work to queue meanwhile) runs while the engine computes
+    (runs_beside) or after it. Returns (out, saved-or-None)."""
+    out, running = start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout,
+                                 now=beside is None or not runs_beside(device))
+    if beside is not None:
+        beside()
+    return out, running.wait()
+
+
+def runs_beside(device: torch.device) -> bool:
+    """Whether work queued beside the engine runs while it computes: on a GPU; on the CPU it would compete with
+    the engine for the cores, so the engine finishes first and the same steps run in turn."""
+    return device.type == "cuda"
+
+
+def experts_call(module, x, top_k_index, top_k_weights, lora, lora_params, beside=None):
+    """The routed experts of one training forward: the engine's forward, beside() while it runs, its result.
+    lora: (r, scale, (dropout p, seed))."""
+    call = EngineCall(module, lora, lora_params, beside is not None and runs_beside(x.device))
+    token = StartEngine.apply(call, x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+                              *lora_params)
+    if beside is not None:
+        beside()
+    return EngineResult.apply(call, token)
+
+
+class EngineCall:
+    """One training call of the engine, shared by its two autograd nodes: StartEngine (its inputs) and
+    EngineResult (its output). Autograd numbers nodes in the order they are made and, of those ready, runs the
+    later first; the GPU work queued between the two in forward (`beside`: a block's shared experts) makes nodes
+    numbered between them. So in backward EngineResult starts the engine's backward and returns, the nodes in
+    between queue their GPU work, and StartEngine waits for the engine and hands autograd its gradients: the GPU
+    computes while the CPU does. concurrent: the engine runs on its driver thread while Python goes on (else on
+    this thread, at once; the steps run in the same order)."""
+
+    def __init__(self, module, lora, lora_params, concurrent: bool):
+        self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
+        self.xc = self.lora32 = self.out = self.saved = self.running = self.grads = None
+
+
+class StartEngine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, module, lora, gate_up, down, *lora_params):
-        """lora: (r, scale, (dropout p, seed))."""
-        xc, idx, w, lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
-        r, scale, dropout = lora
-        kept = module.take_kept(xc, idx, w, lora_params, lora)  # gradient checkpointing's recompute
+    def forward(ctx, call, x, top_k_index, top_k_weights, gate_up, down, *lora_params):
+        module = call.module
+        xc, idx, w, call.lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
+        r, scale, dropout = call.lora
+        kept = module.take_kept(xc, idx, w, lora_params, call.lora)  # gradient checkpointing's recompute
         if kept is not None:
-            out, saved = kept.out, kept.saved
+            call.out, call.saved = kept.out, kept.saved
         else:
-            out, saved = run_forward(module.engine, xc, idx, w, r, scale, lora32, save=True, device=x.device,
-                                     dropout=dropout)
-        ctx.module = module
-        ctx.lora = lora
-        ctx.saved = saved
-        ctx.lora32 = lora32
-        ctx.lora_params = lora_params
-        ctx.x_meta = (x.device, x.dtype)
-        ctx.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
-        ctx.save_for_backward(xc)
-        return to_caller(out, x.device, x.dtype)
+            call.out, call.running = start_forward(module.engine, xc, idx, w, r, scale, call.lora32, save=True,
+                                                   device=x.device, dropout=dropout, now=not call.concurrent)
+        call.xc = xc
+        call.needs = ctx.needs_input_grad
+        call.x_meta = (x.device, x.dtype)
+        call.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
+        ctx.call = call
+        return x.new_empty(0)  # the token EngineResult takes: it orders the two nodes
+
+    @staticmethod
+    def backward(ctx, _token):
+        call = ctx.call
+        dx, dw, lora_grads, direct = call.grads
+        call.running.wait()
+        call.running = call.grads = call.saved = None
+        for p, g, d in zip(call.lora_params, lora_grads, direct):
+            if d:
+                p.grad = g
+        out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(call.lora_params, lora_grads, direct)]
+        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
+        return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), None, None, *out_lora)
+
+
+class EngineResult(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, _token):
+        if call.running is not None:
+            call.saved = call.running.wait()
+            call.running = None
+        ctx.call = call
+        ctx.save_for_backward(call.xc)
+        out, call.xc, call.out = call.out, None, None  # xc held for backward by autograd only (saved-tensor hooks)
+        dev, dt = call.x_meta
+        return to_caller(out, dev, dt)
 
     @staticmethod
     def backward(ctx, grad_out):
         (xc,) = ctx.saved_tensors
-        module = ctx.module
-        if ctx.saved is None:
+        call = ctx.call
+        module = call.module
+        if call.saved is None:
             raise RuntimeError("KTExperts backward ran twice over one forward; run the forward again instead of "
                                "retain_graph=True.")
-        dev, dt = ctx.x_meta
-        wdev, wdt, wshape = ctx.w_meta
+        dev, _ = call.x_meta
+        wdev, _, wshape = call.w_meta
         dx = host_empty(xc.shape, xc.dtype, dev)
         dw = host_empty(wshape, torch.float32, wdev)
-        need = ctx.needs_input_grad
+        need = call.needs
         # Straight into param.grad where it may (direct: overwriting a reused buffer, or adding into the grad of
         # an earlier micro-batch), else written into new tensors for autograd.
         lora_grads, direct, accumulate = [], [], []
-        for i, (p, p32) in enumerate(zip(ctx.lora_params, ctx.lora32)):
+        for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
             wanted = p is not None and need[N_FIXED_INPUTS + i]
             target, adds = module.lora_grad_into(p) if wanted else (None, False)
             direct.append(target is not None)
@@ -121,17 +203,14 @@ class ExpertsFunction(torch.autograd.Function):
         d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
         d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
         with engine_timer("transfer"):
-            dout = to_engine(grad_out, xc.dtype)  # a fresh copy when grad_out is on the GPU: keep it referenced
-        with engine_timer("backward"):
-            r, scale, dropout = ctx.lora
-            module.engine.backward(
-                ctx.saved, view(xc), view(dout), r, scale, lora_views(ctx.lora32),
-                view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout, now=True,
-                lora_accumulate=accumulate,
-            ).wait()
-        ctx.saved = None
-        for p, g, d in zip(ctx.lora_params, lora_grads, direct):
-            if d:
-                p.grad = g
-        out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(ctx.lora_params, lora_grads, direct)]
-        return (to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), None, None, None, None, *out_lora)
+            dout = to_engine(grad_out, xc.dtype)
+        r, scale, dropout = call.lora
+        t0 = time.perf_counter()
+        pending = module.engine.backward(
+            call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
+            view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
+            now=not call.concurrent, lora_accumulate=accumulate,
+        )  # the pending call holds every tensor it reads or writes (dout included) until it is done
+        call.running = Running(pending, "backward", t0)
+        call.grads = dx, dw, lora_grads, direct
+        return None, grad_out.new_empty(0)

@@ -1,7 +1,8 @@
-"""Wall time spent inside the CPU engine, accumulated per phase (forward, backward), in moving tensors to and
-from it (transfer: device copies and dtype casts of inputs, outputs and gradients), and waiting for the GPU
-work that produces its inputs (gpu), for step profiles. Phases are exclusive: a timer nested in another
-(the GPU wait inside a transfer) takes its time out of the outer one.
+"""Wall time spent inside the CPU engine (for a call that runs while Python goes on: from its start to its
+result), accumulated per phase (forward, backward), in moving tensors to and from it (transfer: device copies
+and dtype casts of inputs, outputs and gradients), and waiting for the GPU work that produces its inputs (gpu),
+for step profiles. Phases are exclusive: a timer nested in another (the GPU wait inside a transfer) takes its
+time out of the outer one.
 
 Read with `engine_seconds()`, reset with `reset_engine_seconds()`; a perf_counter pair per call (~0.1 µs).
 
@@ -36,6 +37,14 @@ class engine_timer:  # noqa: N801 - used as `with engine_timer(phase):`; a class
         if _OPEN:
             _SECONDS[_OPEN[-1]] -= spent
         return False
+
+
+def add_engine_seconds(phase: str, spent: float) -> None:
+    """Adds a span timed outside engine_timer (an engine call that ran while Python went on), with its rule: an
+    open outer phase gives the time up."""
+    _SECONDS[phase] += spent
+    if _OPEN:
+        _SECONDS[_OPEN[-1]] -= spent
 
 
 def engine_seconds() -> dict:

@@ -1,14 +1,15 @@
-"""Shared experts queued ahead of the CPU engine (kt_sft/models/overlap.py): installed on the blocks whose stock
-forward applies them to the block's input after the routed experts, and numerically the stock order. On the CPU
-the reordering runs without streams; on a CUDA device (the GPU test machine; skipped elsewhere, and said so) the
-shared experts run on a side stream."""
+"""Shared experts queued while the CPU engine runs (kt_sft/models/overlap.py): installed on the blocks whose stock
+forward applies them to the block's input after the routed experts, queued between the engine's start and its
+wait in forward and in backward, and numerically the stock order. On the CPU the steps run in turn unless
+`runs_beside` says otherwise (tests below make it run them concurrently); on a CUDA device (the GPU test
+machine; skipped elsewhere, and said so) they run concurrently."""
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
 from kt_sft.models import use_cpu_experts
-from kt_sft.models import overlap as overlap_module
 from kt_sft.models.overlap import SharedExpertsOverlap
+from kt_sft.ops import experts_function
 from tiny_models import tiny_model
 from tolerances import FP32_IO, GPU_VS_CPU, rel_l2
 
@@ -59,22 +60,74 @@ def test_installed_where_the_block_calls_shared_experts_last(model_type, expecte
     assert len(overlaps(model)) == expected
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_shared_experts_run_once_and_before_the_routed_experts(overlap):
-    model = lora_model("deepseek_v3", overlap)
+class Recorded:
+    """An engine whose calls log when they start and when their result is collected."""
+
+    def __init__(self, engine, log):
+        self.engine, self.log = engine, log
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def call(self, kind, *args, **kwargs):
+        self.log.append(f"engine {kind}")
+        pending, log = getattr(self.engine, kind)(*args, **kwargs), self.log
+
+        class Logged:
+            def wait(self):
+                result = pending.wait()
+                log.append(f"engine {kind} done")
+                return result
+
+        return Logged()
+
+    def forward(self, *args, **kwargs):
+        return self.call("forward", *args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        return self.call("backward", *args, **kwargs)
+
+
+def recorded(model):
+    """The log of model's engine calls and its MoE block's shared experts (forward, and the start of backward)."""
     block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
-    calls = []
-    # Its down projection, which runs only where the shared experts compute (the block's own call to the
-    # module returns the queued result, without computing it again).
-    block.shared_experts.down_proj.register_forward_hook(lambda *_: calls.append("shared"))
-    block.experts.register_forward_hook(lambda *_: calls.append("routed"))
+    log = []
+    block.experts.engine = Recorded(block.experts.engine, log)
+
+    def shared_ran(module, args, out):
+        log.append("shared")
+        if out.requires_grad:
+            out.register_hook(lambda g: log.append("shared backward"))
+
+    block.shared_experts.down_proj.register_forward_hook(shared_ran)
+    return log
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
+def test_shared_experts_run_once_while_the_engine_computes(concurrent, monkeypatch):
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
+    model = lora_model("deepseek_v3")
+    log = recorded(model)
     loss_and_grads(model)
-    assert calls == (["shared", "routed"] if overlap else ["routed", "shared"])
+    # Between the engine's start and the wait for its result, in both passes: the shared experts' forward is
+    # queued, and so is their backward (before the engine's gradients are waited for).
+    assert log == ["engine forward", "shared", "engine forward done",
+                   "engine backward", "shared backward", "engine backward done"]
 
 
+def test_the_stock_order_runs_the_shared_experts_after_the_engine():
+    model = lora_model("deepseek_v3", overlap=False)
+    log = recorded(model)
+    loss_and_grads(model)
+    assert log == ["engine forward", "engine forward done", "shared",
+                   "shared backward", "engine backward", "engine backward done"]
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "reentrant_ckpt", "nonreentrant_ckpt"])
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
-def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing):
+def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, concurrent, monkeypatch):
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
     loss, grads = loss_and_grads(lora_model(model_type), checkpointing)
     loss_ref, grads_ref = loss_and_grads(lora_model(model_type, overlap=False), checkpointing)
     assert any("shared_experts" in n for n in grads) and any("experts.lora_A" in n for n in grads)
@@ -98,19 +151,23 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
     block = next(m for m in model.modules() if getattr(m, "shared_experts", None) is o.shared)
     x = torch.randn(1, 3, 64)
     expected = o.run(x * 1.0)
-    o.launch(block, (x,))
+    o.arm(block, (x,))
+    block.experts.__dict__.pop("_beside")()  # what the routed experts run while the engine computes
     with pytest.warns(RuntimeWarning, match="overlap with the CPU experts is turned off"):
         got = o.shared(x * 1.0)
     assert torch.equal(got, expected)
-    assert not overlaps(model) and not block._forward_pre_hooks
+    assert not overlaps(model) and not block._forward_pre_hooks and not block._forward_hooks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("checkpointing", [None, False], ids=["plain", "nonreentrant_ckpt"])
-def test_side_stream_on_cuda_matches_the_stock_order(checkpointing):
-    # Same kernels on other streams; cuBLAS may choose other algorithms (and so reduction orders) per stream.
-    loss, grads = loss_and_grads(lora_model("deepseek_v3"), checkpointing, "cuda")
-    assert torch.device("cuda", torch.cuda.current_device()) in overlap_module._SIDE_STREAMS
+def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing):
+    # The same kernels, the engine on its driver thread meanwhile; float32 CUDA kernels against the CPU engine.
+    model = lora_model("deepseek_v3")
+    log = recorded(model)
+    loss, grads = loss_and_grads(model, checkpointing, "cuda")
+    assert log[:3] == ["engine forward", "shared", "engine forward done"]
+    assert log[-3:] == ["engine backward", "shared backward", "engine backward done"]
     loss_ref, grads_ref = loss_and_grads(lora_model("deepseek_v3", overlap=False), checkpointing, "cuda")
     assert abs(loss - loss_ref) <= GPU_VS_CPU * abs(loss_ref)
     for name, g in grads_ref.items():
@@ -136,6 +193,6 @@ def test_shared_experts_replaced_after_install_run_in_the_stock_order():
     with torch.no_grad():
         block.shared_experts = Doubled()
         got = block(x)
-        assert not overlaps(model) and not block._forward_pre_hooks
+        assert not overlaps(model) and not block._forward_pre_hooks and not block._forward_hooks
         block.shared_experts = inner
         assert torch.allclose(got - block(x), inner(x))
