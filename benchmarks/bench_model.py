@@ -1,10 +1,13 @@
-"""End-to-end benchmark: LoRA SFT steps of a Qwen3-30B-A3B-shaped model (random weights, --layers of its 48)
-at --seq tokens, routed experts on the CPU engine and the rest on the GPU (kt), or everything on the GPU with
-stock transformers + PEFT (gpu; LoRA on attention only, since PEFT has no practical LoRA on fused experts):
-the all-GPU upper bound for scale. Prints tokens/s, GPU memory, host RSS and the step split.
+"""End-to-end benchmark: LoRA SFT steps of a Qwen3-30B-A3B-shaped model (random weights, --layers of its 48),
+or of a Moonlight-16B-A3B-shaped one (--arch moonlight: DeepSeek-V3's architecture with 2 shared experts, every
+layer MoE), at --seq tokens, routed experts on the CPU engine and the rest on the GPU (kt), or everything on the
+GPU with stock transformers + PEFT (gpu; LoRA on attention only, since PEFT has no practical LoRA on fused
+experts): the all-GPU upper bound for scale. Prints tokens/s, GPU memory, host RSS and the step split.
+--no-shared-overlap runs a Moonlight block's shared experts after the engine instead of beside it.
 
   python benchmarks/bench_model.py --mode kt --layers 4 --seq 2048
   python benchmarks/bench_model.py --mode gpu --layers 4 --seq 2048
+  python benchmarks/bench_model.py --arch moonlight --layers 4 --seq 2048 [--no-shared-overlap]
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 from kt_sft.models import use_cpu_experts
+from kt_sft.models.overlap import installed_overlaps
 from kt_sft.ops.step_profile import host_rss_gib
 from kt_sft.ops.timing import engine_seconds, reset_engine_seconds
 
@@ -27,6 +31,19 @@ def qwen3_30b_a3b(layers: int) -> transformers.Qwen3MoeConfig:
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
         num_experts_per_tok=8, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         max_position_embeddings=40960, norm_topk_prob=True, tie_word_embeddings=False)
+
+
+def moonlight_16b_a3b(layers: int) -> transformers.DeepseekV3Config:
+    return transformers.DeepseekV3Config(
+        vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=0, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, n_group=1, topk_group=1, routed_scaling_factor=2.446,
+        norm_topk_prob=True, max_position_embeddings=8192, tie_word_embeddings=False)
+
+
+ARCHS = {"qwen3": (qwen3_30b_a3b, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+         "moonlight": (moonlight_16b_a3b, ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"])}
 
 
 @contextlib.contextmanager
@@ -58,6 +75,8 @@ def quick_expert_init(min_numel: int = 1 << 26):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("kt", "gpu"), default="kt")
+    ap.add_argument("--arch", choices=tuple(ARCHS), default="qwen3")
+    ap.add_argument("--no-shared-overlap", action="store_true")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
@@ -71,13 +90,17 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.perf_counter()
+    config, attention = ARCHS[args.arch]
     with quick_expert_init() if args.quick_init else contextlib.nullcontext():
-        model = transformers.AutoModelForCausalLM.from_config(qwen3_30b_a3b(args.layers), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config(args.layers), dtype=torch.bfloat16)
     print(f"model built in {time.perf_counter() - t0:.0f} s")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    targets = list(attention)
     if args.mode == "kt":
         use_cpu_experts(model)
         targets.append("experts")
+        if args.no_shared_overlap:
+            for overlap in installed_overlaps(model):
+                overlap.remove()
     model = model.to("cuda")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
@@ -85,7 +108,7 @@ def main():
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=args.optim == "fused")
-    ids = torch.randint(0, 151936, (1, args.seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (1, args.seq), device="cuda")
     times, engine, optim_s = [], [], []
     for step in range(args.steps + 1):
         reset_engine_seconds()
@@ -109,7 +132,7 @@ def main():
     xfer = statistics.median(e["transfer"] for e in engine)
     gpu = statistics.median(e["gpu"] for e in engine)
     opt_s = statistics.median(optim_s)
-    print(f"mode {args.mode}: {args.layers} layers, seq {args.seq}, LoRA r{args.rank}, targets {targets}, "
+    print(f"mode {args.mode}: {args.arch}, {args.layers} layers, seq {args.seq}, LoRA r{args.rank}, targets {targets}, "
           f"{args.optim} AdamW")
     print(f"step {step_s * 1e3:.0f} ms, {args.seq / step_s:.0f} tokens/s; GPU max allocated "
           f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; host RSS {host_rss_gib():.1f} GiB (peak {host_rss_gib('VmHWM'):.1f})")

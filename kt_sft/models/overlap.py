@@ -84,3 +84,9 @@ def overlap_shared_experts(model: nn.Module, attribute: str | None) -> int:
     for block in blocks:
         SharedExpertsOverlap(block, attribute)
     return len(blocks)
+
+
+def installed_overlaps(model: nn.Module) -> list[SharedExpertsOverlap]:
+    """The SharedExpertsOverlap objects on model's blocks (each replaced its shared experts' forward)."""
+    return [m.forward.__self__ for m in model.modules()
+            if isinstance(getattr(m.forward, "__self__", None), SharedExpertsOverlap)]

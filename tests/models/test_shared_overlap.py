@@ -8,18 +8,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from kt_sft.models import use_cpu_experts
-from kt_sft.models.overlap import SharedExpertsOverlap
+from kt_sft.models.overlap import installed_overlaps as overlaps
 from kt_sft.ops import experts_function
 from tiny_models import tiny_model
 from tolerances import FP32_IO, GPU_VS_CPU, rel_l2
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
-
-
-def overlaps(model):
-    """The SharedExpertsOverlap objects installed in model (each replaced its module's forward)."""
-    return [m.forward.__self__ for m in model.modules()
-            if isinstance(getattr(m.forward, "__self__", None), SharedExpertsOverlap)]
 
 
 def lora_model(model_type, overlap=True):
