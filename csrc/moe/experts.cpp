@@ -101,8 +101,7 @@ void accumulate_into(const View& dst, long offset, long ld, const float* src, lo
 }
 
 // out[t] = Σ w_s · rows[s] over token t's slots s (w_s = 1 without slot_w), written in out's dtype. The slots are
-// summed in their own order, which is the experts' (route's slots run expert by expert), as the forward's
-// down_sum sums them.
+// summed in their own order, which is the experts' (route's slots run expert by expert).
 void combine(const View& out, const float* rows, long ld, const Saved& sv, const float* slot_w, Runtime& rt,
              float* per_thread) {
   const KernelSet& ks = rt.kernels();
@@ -537,7 +536,7 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
   const long N = T * K;
   return size_t(2 * T * H            // x and dout as float32
                 + 4 * N * I          // h, p and (backward) dg, du; forward g, u when not saved
-                + std::max(N * H, threads * (T + N) * BLOCK)  // per-slot rows (dx; forward's down); down_sum's
+                + N * H              // per-slot rows (forward's down, backward's dx)
                 + 3 * N * r          // rank-space products
                 + E * r * (2 * I + H)  // LoRA B transposed to [r, out]
                 + threads * per_thread_tile(H, I, r)
@@ -702,82 +701,41 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     });
 
   // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included:
-  // on tiles z·Bᵀ is the product's last reduction block, so c is stored once (and streamed with `stream`).
-  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next, bool stream) {
+  // on tiles z·Bᵀ is the product's last reduction block, so c is stored once, streamed past the caches.
+  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next) {
     const bool lora_on_tiles = Z[DOWN] && tp.on(e);
     const TileF32 lora_seg =
         lora_on_tiles ? TileF32{rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), r, lora.scale} : TileF32{};
-    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next, lora_seg, stream);
+    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next, lora_seg, true);
     if (Z[DOWN] && !lora_on_tiles)
       lora_out(ks, lora, DOWN, e, H, rows_of(*sv, e), Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, ldc);
   };
-  auto down_rows = [&](int e, long h0, int width) {
-    return upcoming(e, DOWN, h0, std::min<long>(width, H - h0), 0, I);
-  };
 
-  // Experts of 16 rows or more on average: down per (expert, BLOCK columns) into per-slot rows [N, H], then the
-  // weighted sum per token (`combine`). The rows are the backward's dx scratch, so training's peak is unchanged;
-  // an inference call this large (a long prompt) now holds N·H floats of scratch too. The items run expert by
-  // expert, so an expert's h stays in cache across its column blocks; the other form, below, reads every expert's
-  // h again for each column block, which at these sizes outweighs the slot rows' round trip through memory: on
-  // the GPU test machine the forward's down took 52-54 ms this way against 106-108 at Layer Q, T = 8192, and
-  // 177-190 against 250-263 at the DeepSeek-V3 layer, T = 4096; at ~16-128 rows per expert it ran level (within
-  // the noise) or faster (Layer Q T = 512-4096, DeepSeek-V3 T = 512-2048; BENCHMARKS.md). At decode (one row per
-  // expert) the accumulating form's few wide items are faster. The slot rows are streamed past the caches
-  // (nothing reads them before combine): Layer Q's phase 8-11 ms against 11-14 stored through them at T = 2048,
-  // 23-31 against 35-40 at T = 8192.
-  if (N >= 16L * E_) {
-    phase("forward.down_slots");
-    float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
-    const long blocks = ceil_div(H, BLOCK);
-    auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * BLOCK}; };
-    rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
-      const auto [e, h0] = block_of(it);
-      Upcoming next;
-      if (next_it >= 0) {
-        const auto [next_e, next_h0] = block_of(next_it);
-        next = down_rows(next_e, next_h0, BLOCK);
-      }
-      down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next, true);
-    });
-    phase("forward.combine");
-    combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);
-    return save ? sv : nullptr;
-  }
-
-  phase("forward.down_sum");
-  // Down, then the weighted sum over each token's experts, one block of BLOCK output columns per work item:
-  // the item runs every routed expert on its columns and adds the weighted rows into its own accumulator,
-  // so no per-slot output rows [N, H] make the round trip through memory, and each token's sum runs in one fixed
-  // order (by expert). Blocks narrow (to 16 columns) until there are two items per thread.
-  int width = BLOCK;
-  while (width > 16 && ceil_div(H, width) < 2L * rt.threads()) width /= 2;
-  // Per thread: the accumulator [T, BLOCK], then one expert's rows [n, BLOCK] (n can pass T when a token names
-  // an expert twice).
-  int most_rows = 0;
-  for (int e : routed) most_rows = std::max(most_rows, rows_of(*sv, e));
-  const long per_item = (long(T) + most_rows) * BLOCK;
-  float* rows_buf = sc.get(Scratch::SLOT_ROWS, size_t(rt.threads()) * per_item);
-  rt.parallel_for_ahead(ceil_div(H, width), [&](long hblk, long next_blk, int ith) {
-    const long h0 = hblk * width;
-    const int hb = int(std::min<long>(width, H - h0));
-    float* acc = rows_buf + long(ith) * per_item;
-    float* c = acc + long(T) * BLOCK;
-    std::fill(acc, acc + long(T) * BLOCK, 0.f);
-    for (size_t at = 0; at < routed.size(); ++at) {
-      const int e = routed[at], n = rows_of(*sv, e);
-      // The item's next expert, or the next item's first, after this one.
-      const Upcoming next = at + 1 < routed.size() ? down_rows(routed[at + 1], h0, width)
-                            : next_blk >= 0        ? down_rows(routed[0], next_blk * width, width)
-                                                   : Upcoming{};
-      down(e, h0, hb, c, BLOCK, next, false);
-      for (int m = 0; m < n; ++m) {
-        const long s = sv->offset[e] + m;
-        ks.axpy(hb, sv->slot_w[s], c + long(m) * BLOCK, acc + long(sv->slot_token[s]) * BLOCK);
-      }
+  // Down per (expert, BLOCK columns) into per-slot rows [N, H], then the weighted sum per token (`combine`). The
+  // rows are the backward's dx scratch, so training's peak is unchanged; inference holds N·H floats of scratch
+  // too. The items run expert by expert, so an expert's h stays in cache across its column blocks. The other
+  // form this replaced (down and the weighted sum per block of output columns, every routed expert in the item,
+  // no slot rows) read every expert's h again for each block and, with a few experts, gave the pool few items:
+  // on the GPU test machine this form's down was 1.3-1.4x faster at Layer Q, T = 8192, and the DeepSeek-V3 layer,
+  // T = 4096, and faster at every size measured down to decode (Layer Q, 15 threads: 0.125 against 0.158 ms,
+  // INT4, T = 1; 0.50-0.52 against 0.63-0.65, T = 4; 4.4-5.4 against 6.1-6.7, T = 64-200; BENCHMARKS.md). The
+  // slot rows are streamed past the caches on tiles (nothing reads them before combine): Layer Q's phase 8-11 ms
+  // against 11-14 stored through them at T = 2048, 23-31 against 35-40 at T = 8192.
+  phase("forward.down_slots");
+  float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
+  const long blocks = ceil_div(H, BLOCK);
+  auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * BLOCK}; };
+  rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
+    const auto [e, h0] = block_of(it);
+    Upcoming next;
+    if (next_it >= 0) {
+      const auto [next_e, next_h0] = block_of(next_it);
+      next = upcoming(next_e, DOWN, next_h0, std::min<long>(BLOCK, H - next_h0), 0, I);
     }
-    for (long t = 0; t < T; ++t) store_cols(out, t, h0, acc + t * BLOCK, hb, ks);
+    down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next);
   });
+  phase("forward.combine");
+  combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);
   return save ? sv : nullptr;
 }
 

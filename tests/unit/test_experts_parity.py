@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import kt_sft
-from kt_sft.ops import timing
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from tolerances import BF16_GRAD, BF16_IO, FP32_IO, for_kernels, rel_l2
 
@@ -62,39 +61,6 @@ def test_lora_parity_fp32(kernels, shape, lora):
     m = make_module(shape, lora=lora)
     x, idx, w, g = inputs(shape)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
-
-
-@pytest.mark.parametrize("T, down", [(32, ["forward.down_slots", "forward.combine"]), (31, ["forward.down_sum"])])
-def test_down_forms_either_side_of_16_rows_per_expert(kernels, T, down):
-    # From 16 rows per expert on average (N = T·K = 16·E) down writes per-slot rows that the weighted sum per
-    # token follows; below it the accumulating form runs (README, "Work split").
-    shape = Shape(f"down_form_t{T}", T=T, H=48, I=32, E=4, K=2, r=3)
-    m = make_module(shape, lora=True)
-    x, idx, w, g = inputs(shape)
-    timing.profile_engine_phases(True)
-    try:
-        timing.engine_phases(reset=True)
-        got = run_engine(m, x, idx, w, g)
-        phases = [p for p in timing.engine_phases(reset=True) if p.startswith("forward.down") or p == "forward.combine"]
-    finally:
-        timing.profile_engine_phases(False)
-    assert phases == down
-    check(got, run_reference(m, x, idx, w, g), FP32_IO, shape)
-
-
-@pytest.mark.parametrize("activations", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_down_forms_give_the_same_output(kernels, activations):
-    # The same 31 tokens alone (N = 62 < 16·E: down_sum) and with one more (N = 64: per-slot rows): both forms
-    # sum a token's experts in expert order over the same products, so the 31 outputs agree bit for bit.
-    shape = Shape("down_forms", T=32, H=48, I=32, E=4, K=2, r=3)
-    m = make_module(shape, lora=True)
-    for p in m.lora_B[m.active_lora()].values():
-        torch.nn.init.normal_(p, std=0.1)
-    x, idx, w, _ = inputs(shape, dtype=activations)
-    with torch.no_grad():
-        both = m(x, idx, w)
-        fewer = m(x[:31], idx[:31], w[:31])
-    assert torch.equal(both[:31], fewer)
 
 
 def some_projections_case(case, dtype=torch.float32):
