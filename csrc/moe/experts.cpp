@@ -610,10 +610,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // with contiguous rows (experts with more than kLoraDotRows rows; down's only off tiles), and x in the tile
   // layout for experts on tiles.
   phase("forward.pack_x_lora_in");
-  // With no expert on tiles (decode: a row or two per expert) each (expert, projection) is its own work item, so
-  // the few routed experts' B transposes and rank-space products spread over the threads: at Layer Q decode (8
-  // experts, 15 threads) the phase took 0.019-0.022 ms against 0.027-0.034 one item per expert (BENCHMARKS.md).
-  // On tiles an expert's x tiles feed its gate and up, so the expert stays one item.
+  // With no expert on tiles (decode, float32 activations, sets without tiles) each (expert, projection) is its own
+  // work item, so that a few routed experts' B transposes and rank-space products spread over the threads: at
+  // Layer Q decode (8 experts, 15 threads) the phase took 0.019-0.022 ms against 0.027-0.034 one item per expert
+  // (BENCHMARKS.md). On tiles an expert's x tiles feed its gate and up, so the expert stays one item.
   const std::vector<int> routed = routed_experts(*sv, E_);
   if (!tp.rows()) {
     rt.parallel_for(long(routed.size()) * 3, [&](long i, int ith) {

@@ -46,7 +46,9 @@ class SharedExpertsOverlap:
             self.experts.queue_beside(lambda: self.start(x))
 
     def start(self, x):
-        self.pending = (x, self.run(x))
+        # Through the module's call, so that its own hooks wrap the computation; forward() finds nothing
+        # pending yet and runs it.
+        self.pending = (x, self.shared(x))
 
     def disarm(self, block, args, output):
         self.experts.queue_beside(None)

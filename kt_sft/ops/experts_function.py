@@ -126,7 +126,8 @@ class EngineCall:
     numbered between them. So in backward EngineResult starts the engine's backward and returns, the nodes in
     between queue their GPU work, and StartEngine waits for the engine and hands autograd its gradients: the GPU
     computes while the CPU does. concurrent: the engine runs on its driver thread while Python goes on (else on
-    this thread, at once; the steps run in the same order)."""
+    this thread, at once; the steps run in the same order), in backward only while its writes go to buffers of
+    this call's own."""
 
     def __init__(self, module, lora, lora_params, concurrent: bool):
         self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
@@ -205,11 +206,15 @@ class EngineResult(torch.autograd.Function):
         with engine_timer("transfer"):
             dout = to_engine(grad_out, xc.dtype)
         r, scale, dropout = call.lora
+        # Concurrent only where the engine writes nothing the caller holds until StartEngine hands it over: grads
+        # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
+        # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
+        concurrent = call.concurrent and not any(accumulate) and d_gate_up is None and d_down is None
         t0 = time.perf_counter()
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
-            now=not call.concurrent, lora_accumulate=accumulate,
+            now=not concurrent, lora_accumulate=accumulate,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
         call.running = Running(pending, "backward", t0)
         call.grads = dx, dw, lora_grads, direct

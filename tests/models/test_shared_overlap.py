@@ -58,13 +58,14 @@ class Recorded:
     """An engine whose calls log when they start and when their result is collected."""
 
     def __init__(self, engine, log):
-        self.engine, self.log = engine, log
+        self.engine, self.log, self.now = engine, log, []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def call(self, kind, *args, **kwargs):
         self.log.append(f"engine {kind}")
+        self.now.append((kind, kwargs["now"]))
         pending, log = getattr(self.engine, kind)(*args, **kwargs), self.log
 
         class Logged:
@@ -107,6 +108,30 @@ def test_shared_experts_run_once_while_the_engine_computes(concurrent, monkeypat
     # queued, and so is their backward (before the engine's gradients are waited for).
     assert log == ["engine forward", "shared", "engine forward done",
                    "engine backward", "shared backward", "engine backward done"]
+
+
+def test_a_backward_that_adds_into_existing_grads_runs_the_engine_first(monkeypatch):
+    # If a node between the engine's start and its result raised, a backward still running would go on changing
+    # gradients the caller holds; only writes into the call's own buffers may run meanwhile.
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
+    model = lora_model("deepseek_v3")
+    recorded(model)
+    engine = next(m for m in model.modules() if hasattr(m, "shared_experts")).experts.engine
+    loss_and_grads(model)  # the routed experts' LoRA grads are None: written into the module's buffers
+    loss_and_grads(model)  # a second micro-batch: added into them
+    assert [now for kind, now in engine.now if kind == "backward"] == [False, True]
+    assert all(not now for kind, now in engine.now if kind == "forward")
+
+
+def test_the_shared_experts_own_hooks_wrap_their_computation():
+    model = lora_model("deepseek_v3")
+    block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+    inside, seen = [], []
+    block.shared_experts.register_forward_pre_hook(lambda *_: inside.append(1))
+    block.shared_experts.register_forward_hook(lambda *_: inside.clear())
+    block.shared_experts.down_proj.register_forward_hook(lambda *_: seen.append(bool(inside)))
+    loss_and_grads(model)
+    assert seen == [True]
 
 
 def test_the_stock_order_runs_the_shared_experts_after_the_engine():
