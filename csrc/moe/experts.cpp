@@ -610,34 +610,41 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // with contiguous rows (experts with more than kLoraDotRows rows; down's only off tiles), and x in the tile
   // layout for experts on tiles.
   phase("forward.pack_x_lora_in");
-  // With no expert on tiles (decode, float32 activations, sets without tiles) each (expert, projection) is its own
-  // work item, so that a few routed experts' B transposes and rank-space products spread over the threads: at
-  // Layer Q decode (8 experts, 15 threads) the phase took 0.019-0.022 ms against 0.027-0.034 one item per expert
-  // (BENCHMARKS.md). On tiles an expert's x tiles feed its gate and up, so the expert stays one item.
+  // Gate's and up's z = x·Aᵀ run on tiles for experts on them with more than kLoraDotRows rows; with fewer (BF16
+  // decode takes tiles from one row) the float32 dot form computes them without rounding A's panels to BF16 each
+  // call. When no expert's z runs on tiles (decode, float32 activations, sets without tiles), each (expert,
+  // projection) is its own work item, so that a few routed experts' B transposes and rank-space products spread
+  // over the threads: at Layer Q INT4 decode (8 experts, 15 threads) the phase took 0.019-0.022 ms against
+  // 0.027-0.034 one item per expert (BENCHMARKS.md). Otherwise an expert's x tiles feed its gate and up, so the
+  // expert is one item.
   const std::vector<int> routed = routed_experts(*sv, E_);
-  if (!tp.rows()) {
+  auto z_on_tiles = [&](int e) { return tp.on(e) && rows_of(*sv, e) > kLoraDotRows; };
+  auto z_of = [&](int p, int e, int ith) {
+    if (z_on_tiles(e))
+      lora_in_on_tiles(p, e, tp.at(XT, e, H), gathered(xrows, *sv, e), H, ith);
+    else
+      lora_in(ks, lora, p, *sv, e, gathered(xrows, *sv, e), H, Z[p] + sv->offset[e] * r, per_thread + ith * tile,
+              tile);
+  };
+  auto pack_x = [&](int e) {
+    if (tp.on(e)) tp.tk->pack_nt(rows_of(*sv, e), int(H), 0, H, gathered(xrows, *sv, e), tp.at(XT, e, H));
+  };
+  auto lora_inputs = [&](int p, int e, int ith) {
+    if (lora.A[p].empty()) return;
+    if (rows_of(*sv, e) > kLoraDotRows && (p != DOWN || !tp.on(e))) transpose_b(lora, p, e, outd[p], bt[p]);
+    if (p != DOWN) z_of(p, e, ith);
+  };
+  if (std::none_of(routed.begin(), routed.end(), z_on_tiles)) {
     rt.parallel_for(long(routed.size()) * 3, [&](long i, int ith) {
-      const int e = routed[i / 3], p = int(i % 3), n = rows_of(*sv, e);
-      if (lora.A[p].empty()) return;
-      if (n > kLoraDotRows) transpose_b(lora, p, e, outd[p], bt[p]);
-      if (p != DOWN)
-        lora_in(ks, lora, p, *sv, e, gathered(xrows, *sv, e), H, Z[p] + sv->offset[e] * r, per_thread + ith * tile,
-                tile);
+      const int e = routed[i / 3], p = int(i % 3);
+      if (p == GATE) pack_x(e);  // read by the next phase's products only
+      lora_inputs(p, e, ith);
     });
   } else {
-    for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
-      const int n = rows_of(*sv, int(e));
-      if (tp.on(int(e))) tp.tk->pack_nt(n, int(H), 0, H, gathered(xrows, *sv, int(e)), tp.at(XT, int(e), H));
-      for (int p = 0; p < 3; ++p) {
-        if (lora.A[p].empty()) continue;
-        if (n > kLoraDotRows && (p != DOWN || !tp.on(int(e)))) transpose_b(lora, p, e, outd[p], bt[p]);
-        if (p == DOWN) continue;
-        if (tp.on(int(e)))
-          lora_in_on_tiles(p, int(e), tp.at(XT, int(e), H), gathered(xrows, *sv, int(e)), H, ith);
-        else
-          lora_in(ks, lora, p, *sv, int(e), gathered(xrows, *sv, int(e)), H, Z[p] + sv->offset[e] * r,
-                  per_thread + ith * tile, tile);
-      }
+    rt.parallel_for(long(routed.size()), [&](long i, int ith) {
+      const int e = routed[i];
+      pack_x(e);
+      for (int p = GATE; p <= DOWN; ++p) lora_inputs(p, e, ith);
     });
   }
 
