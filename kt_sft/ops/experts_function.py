@@ -6,7 +6,9 @@ Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float
 into `param.grad` (KTExperts.lora_grad_into: a buffer the module keeps and reuses when the grad is None, else
 added into the grad an earlier micro-batch left), else they are returned to autograd in the parameters'
 dtype; base-weight grads (full mode) are accumulated by the engine straight into `param.grad` (created as
-zeros when missing), so a multi-GB expert stack is never materialized twice.
+zeros when missing), so a multi-GB expert stack is never materialized twice. That is under backward(); under
+torch.autograd.grad() both are returned, and backward(inputs=...) computes none that it does not name
+(grad_destination).
 """
 from __future__ import annotations
 
@@ -62,6 +64,26 @@ def to_caller(t: torch.Tensor, device, dtype) -> torch.Tensor:
     copy to a GPU is queued on its current stream, so later GPU work orders after it without a wait here."""
     with engine_timer("transfer"):
         return t.to(device=device, non_blocking=True).to(dtype)
+
+
+INTO_GRAD, TO_CALLER, NOWHERE = "grad", "caller", "nowhere"
+
+
+def grad_destination(param: torch.Tensor) -> str:
+    """Where the running backward puts param's gradient: INTO_GRAD (backward(): added into param.grad), TO_CALLER
+    (torch.autograd.grad(): handed back), NOWHERE (backward(inputs=...) without param). Asked of autograd's engine
+    about param's AccumulateGrad node (a private hook of torch's; without it, INTO_GRAD)."""
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    if will_run is None:
+        return INTO_GRAD
+    with torch.enable_grad():
+        accumulate = param.view_as(param).grad_fn.next_functions[0][0]
+    try:
+        return INTO_GRAD if will_run(accumulate) else NOWHERE
+    except RuntimeError as e:  # the hook does not answer for leaves while autograd.grad() runs
+        if "autograd.grad" in str(e):
+            return TO_CALLER
+        raise
 
 
 def lora_views(mats):
@@ -156,7 +178,7 @@ class StartEngine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token):
         call = ctx.call
-        dx, dw, lora_grads, direct = call.grads
+        dx, dw, lora_grads, direct, base = call.grads
         call.running.wait()
         call.running = call.grads = call.saved = None
         for p, g, d in zip(call.lora_params, lora_grads, direct):
@@ -164,7 +186,7 @@ class StartEngine(torch.autograd.Function):
                 p.grad = g
         out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(call.lora_params, lora_grads, direct)]
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
-        return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), None, None, *out_lora)
+        return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), *base, *out_lora)
 
 
 class EngineResult(torch.autograd.Function):
@@ -192,17 +214,22 @@ class EngineResult(torch.autograd.Function):
         dx = host_empty(xc.shape, xc.dtype, dev)
         dw = host_empty(wshape, torch.float32, wdev)
         need = call.needs
-        # Straight into param.grad where it may (direct: overwriting a reused buffer, or adding into the grad of
-        # an earlier micro-batch), else written into new tensors for autograd.
+        # Straight into param.grad where backward() puts it and may (direct: overwriting a reused buffer, or adding
+        # into the grad of an earlier micro-batch), else written into new tensors for autograd.
         lora_grads, direct, accumulate = [], [], []
         for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
-            wanted = p is not None and need[N_FIXED_INPUTS + i]
-            target, adds = module.lora_grad_into(p) if wanted else (None, False)
+            where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
+            target, adds = module.lora_grad_into(p) if where == INTO_GRAD else (None, False)
             direct.append(target is not None)
             accumulate.append(adds)
-            lora_grads.append(target if target is not None else torch.empty_like(p32) if wanted else None)
-        d_gate_up = module.base_grad(module.gate_up_proj) if need[GATE_UP_INPUT] else None
-        d_down = module.base_grad(module.down_proj) if need[DOWN_INPUT] else None
+            lora_grads.append(target if target is not None else None if where == NOWHERE else torch.empty_like(p32))
+        # Base weights (full mode): added by the engine into param.grad, or into zeros returned to the caller.
+        base = []
+        for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
+            where = grad_destination(param) if wanted else NOWHERE
+            base.append(module.base_grad(param) if where == INTO_GRAD else None if where == NOWHERE
+                        else torch.zeros_like(param))
+        d_gate_up, d_down = base
         with engine_timer("transfer"):
             dout = to_engine(grad_out, xc.dtype)
         r, scale, dropout = call.lora
@@ -217,5 +244,6 @@ class EngineResult(torch.autograd.Function):
             now=not concurrent, lora_accumulate=accumulate,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
         call.running = Running(pending, "backward", t0)
-        call.grads = dx, dw, lora_grads, direct
+        call.grads = dx, dw, lora_grads, direct, [None if g is None or g is p.grad else g
+                                                  for g, p in zip(base, (module.gate_up_proj, module.down_proj))]
         return None, grad_out.new_empty(0)

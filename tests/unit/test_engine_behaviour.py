@@ -211,6 +211,32 @@ def test_lora_rank_and_projection_checks(module):
     assert set(k for k in grads if k.startswith("d")) == {"dx", "dw", "dA_down", "dB_down"}
 
 
+@pytest.mark.parametrize("train_base", [False, True], ids=["lora", "full"])
+def test_autograd_grad_returns_every_gradient_and_leaves_param_grads_alone(train_base):
+    # LoRA (and base) grads go straight into param.grad under backward(); torch.autograd.grad must get them
+    # returned instead, and backward(inputs=...) must leave the parameters it does not name alone.
+    m = make_module(SHAPE, lora=True, train_base=train_base)
+    x, idx, w, g = inputs(SHAPE)
+    expected = run_engine(m, x, idx, w, g)
+    params = [p for p in m.parameters() if p.requires_grad]
+    names = [f"d{n}_{p}" for n in ("A", "B") for p in ("gate", "up", "down")]
+    if train_base:
+        names += ["d_gate_up", "d_down"]
+    by_param = dict(zip([*m.lora_A["default"].values(), *m.lora_B["default"].values(), m.gate_up_proj, m.down_proj],
+                        names))
+    for p in params:
+        p.grad = None
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    got = torch.autograd.grad(m(xg, idx, wg), [xg, wg, *params], g)
+    assert torch.equal(got[0], expected["dx"]) and torch.equal(got[1], expected["dw"])
+    for p, t in zip(params, got[2:]):
+        assert torch.equal(t, expected[by_param[p]]), by_param[p]
+    assert all(p.grad is None for p in params)
+    xg = x.clone().requires_grad_()
+    m(xg, idx, w).backward(g, inputs=[xg])
+    assert torch.equal(xg.grad, expected["dx"]) and all(p.grad is None for p in params)
+
+
 def test_second_backward_is_refused(module):
     x, idx, w, g = inputs(SHAPE)
     y = module(x.requires_grad_(), idx, w)
