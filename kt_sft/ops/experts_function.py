@@ -81,9 +81,8 @@ def grad_destination(param: torch.Tensor) -> str:
     try:
         return INTO_GRAD if will_run(accumulate) else NOWHERE
     except RuntimeError as e:  # the hook does not answer for leaves while autograd.grad() runs
-        if "autograd.grad" in str(e):
-            return TO_CALLER
-        raise
+        # Any other refusal of this private hook: backward()'s destination, what every trainer calls.
+        return TO_CALLER if "autograd.grad" in str(e) else INTO_GRAD
 
 
 def lora_views(mats):
