@@ -71,18 +71,20 @@ INTO_GRAD, TO_CALLER, NOWHERE = "grad", "caller", "nowhere"
 
 def grad_destination(param: torch.Tensor) -> str:
     """Where the running backward puts param's gradient: INTO_GRAD (backward(): added into param.grad), TO_CALLER
-    (torch.autograd.grad(): handed back), NOWHERE (backward(inputs=...) without param). Asked of autograd's engine
-    about param's AccumulateGrad node (a private hook of torch's; without it, INTO_GRAD)."""
+    (torch.autograd.grad(): handed back), NOWHERE (backward(inputs=...) without param, or param frozen since the
+    forward). Asked of autograd's engine about param's AccumulateGrad node (a private hook of torch's); where it
+    cannot answer, TO_CALLER, which is right for every caller (autograd accumulates, captures or drops it)."""
+    if not param.requires_grad:
+        return NOWHERE
     will_run = getattr(torch._C, "_will_engine_execute_node", None)
     if will_run is None:
-        return INTO_GRAD
-    with torch.enable_grad():
-        accumulate = param.view_as(param).grad_fn.next_functions[0][0]
+        return TO_CALLER
     try:
+        with torch.inference_mode(False):
+            accumulate = torch.autograd.graph.get_gradient_edge(param).node
         return INTO_GRAD if will_run(accumulate) else NOWHERE
-    except RuntimeError as e:  # the hook does not answer for leaves while autograd.grad() runs
-        # Any other refusal of this private hook: backward()'s destination, what every trainer calls.
-        return TO_CALLER if "autograd.grad" in str(e) else INTO_GRAD
+    except RuntimeError:  # it does not answer for leaves while autograd.grad() runs
+        return TO_CALLER
 
 
 def lora_views(mats):

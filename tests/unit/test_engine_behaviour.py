@@ -237,6 +237,30 @@ def test_autograd_grad_returns_every_gradient_and_leaves_param_grads_alone(train
     assert torch.equal(xg.grad, expected["dx"]) and all(p.grad is None for p in params)
 
 
+def test_backward_after_freezing_a_lora_matrix_or_in_inference_mode(module):
+    # A parameter frozen between forward and backward gets no gradient, as stock torch drops it; a backward run
+    # under inference_mode works as outside it.
+    x, idx, w, g = inputs(SHAPE)
+    for p in module.parameters():
+        p.grad = None
+    a = module.lora_A["default"]["up"]
+    y = module(x.clone().requires_grad_(), idx, w)
+    a.requires_grad_(False)
+    try:
+        y.backward(g)
+        assert a.grad is None and module.lora_B["default"]["up"].grad is not None
+    finally:
+        a.requires_grad_(True)
+    expected = run_engine(module, x, idx, w, g)
+    for p in module.parameters():
+        p.grad = None
+    xg = x.clone().requires_grad_()
+    y = module(xg, idx, w)
+    with torch.inference_mode():
+        y.backward(g)
+    assert torch.equal(xg.grad, expected["dx"]) and torch.equal(module.lora_A["default"]["up"].grad, expected["dA_up"])
+
+
 def test_second_backward_is_refused(module):
     x, idx, w, g = inputs(SHAPE)
     y = module(x.requires_grad_(), idx, w)

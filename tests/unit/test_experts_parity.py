@@ -159,6 +159,19 @@ def test_bf16_activations_on_tiles(tiles, shape):
           for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_bf16_decode_on_tiles(tiles, T):
+    # BF16 inference takes tiles from one row per expert; experts of at most two rows take gate's and up's LoRA
+    # inputs in the float32 dot form.
+    shape = Shape(f"decode_t{T}", T=T, H=96, I=64, E=8, K=4)
+    m = make_module(shape, lora=True).eval()
+    x, idx, w, _ = inputs(shape, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = m(x, idx, w)
+    ref = run_reference(m, x, idx, w, torch.zeros_like(x))["y"]
+    assert rel_l2(y, ref) <= for_kernels(tiles, BF16_IO, bf16_activations=True)
+
+
 def test_base_grads_accumulate_across_micro_batches(kernels):
     shape = SHAPES[0]
     m = make_module(shape, lora=False, train_base=True)
