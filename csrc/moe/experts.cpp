@@ -723,7 +723,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // too. The items run expert by expert, so an expert's h stays in cache across its column blocks. The other
   // form this replaced (down and the weighted sum per block of output columns, every routed expert in the item,
   // no slot rows) read every expert's h again for each block and, with a few experts, gave the pool few items:
-  // on the GPU test machine this form's down was 1.3-1.4x faster at Layer Q, T = 8192, and the DeepSeek-V3 layer,
+  // on the GPU test machine this form's down was 2x faster at Layer Q, T = 8192, 1.4x at the DeepSeek-V3 layer,
   // T = 4096, and faster at every size measured down to decode (Layer Q, 15 threads: 0.125 against 0.158 ms,
   // INT4, T = 1; 0.50-0.52 against 0.63-0.65, T = 4; 4.4-5.4 against 6.1-6.7, T = 64-200; BENCHMARKS.md). The
   // slot rows are streamed past the caches on tiles (nothing reads them before combine): Layer Q's phase 8-11 ms
