@@ -123,6 +123,17 @@ def test_a_backward_that_adds_into_existing_grads_runs_the_engine_first(monkeypa
     assert all(not now for kind, now in engine.now if kind == "forward")
 
 
+def test_full_mode_runs_the_engine_first(monkeypatch):
+    # The base weights' grads are added into param.grad: the same rule as a second micro-batch.
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
+    model = tiny_model("deepseek_v3")
+    use_cpu_experts(model)
+    recorded(model)
+    engine = next(m for m in model.modules() if hasattr(m, "shared_experts")).experts.engine
+    loss_and_grads(model)
+    assert [now for kind, now in engine.now if kind == "backward"] == [True]
+
+
 def test_the_shared_experts_own_hooks_wrap_their_computation():
     model = lora_model("deepseek_v3")
     block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
