@@ -35,8 +35,8 @@ BF16_GRAD = 4e-3
 # error up to ~1.1x. On the tile products (amx, avx512_bf16), FP8/INT4 weights are also rounded to BF16 once
 # decoded (weight × scale to the nearest BF16: one more rounding of the same size per product), and the LoRA
 # products of experts on tiles take BF16 operands (A, B, and the rank-space rows z = x·Aᵀ, wz = dy·B rounded once
-# each, as stock PEFT's products under bf16 autocast; gate's and up's z of experts of at most two rows stay float32): one or two more roundings of that size in the LoRA terms
-# and grads. 1e-2 leaves a 3-5x margin.
+# each, as stock PEFT's products under bf16 autocast; gate's and up's z of experts of at most two rows stay
+# float32): one or two more roundings of that size in the LoRA terms and grads. 1e-2 leaves a 3-5x margin.
 BF16_DOT = 1e-2
 
 

@@ -225,11 +225,13 @@ class EngineResult(torch.autograd.Function):
             accumulate.append(adds)
             lora_grads.append(target if target is not None else None if where == NOWHERE else torch.empty_like(p32))
         # Base weights (full mode): added by the engine into param.grad, or into zeros returned to the caller.
-        base = []
+        base, base_out = [], []
         for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
             where = grad_destination(param) if wanted else NOWHERE
-            base.append(module.base_grad(param) if where == INTO_GRAD else None if where == NOWHERE
-                        else torch.zeros_like(param))
+            target = (module.base_grad(param) if where == INTO_GRAD else torch.zeros_like(param) if where == TO_CALLER
+                      else None)
+            base.append(target)
+            base_out.append(target if where == TO_CALLER else None)
         d_gate_up, d_down = base
         with engine_timer("transfer"):
             dout = to_engine(grad_out, xc.dtype)
@@ -245,6 +247,5 @@ class EngineResult(torch.autograd.Function):
             now=not concurrent, lora_accumulate=accumulate,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
         call.running = Running(pending, "backward", t0)
-        call.grads = dx, dw, lora_grads, direct, [None if g is None or g is p.grad else g
-                                                  for g, p in zip(base, (module.gate_up_proj, module.down_proj))]
+        call.grads = dx, dw, lora_grads, direct, base_out
         return None, grad_out.new_empty(0)

@@ -32,16 +32,13 @@ class engine_timer:  # noqa: N801 - used as `with engine_timer(phase):`; a class
 
     def __exit__(self, *exc):
         _OPEN.pop()
-        spent = time.perf_counter() - self.t0
-        _SECONDS[self.phase] += spent
-        if _OPEN:
-            _SECONDS[_OPEN[-1]] -= spent
+        add_engine_seconds(self.phase, time.perf_counter() - self.t0)
         return False
 
 
 def add_engine_seconds(phase: str, spent: float) -> None:
-    """Adds a span timed outside engine_timer (an engine call that ran while Python went on), with its rule: an
-    open outer phase gives the time up."""
+    """Adds a span to phase (engine_timer's, or one timed outside it: an engine call that ran while Python went
+    on); an open outer phase gives the time up."""
     _SECONDS[phase] += spent
     if _OPEN:
         _SECONDS[_OPEN[-1]] -= spent

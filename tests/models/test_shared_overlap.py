@@ -84,7 +84,8 @@ class Recorded:
 
 
 def recorded(model):
-    """The log of model's engine calls and its MoE block's shared experts (forward, and the start of backward)."""
+    """model's MoE block's engine, replaced by a Recorded one whose log also has the block's shared experts
+    (forward, and the start of backward)."""
     block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
     log = []
     block.experts.engine = Recorded(block.experts.engine, log)
@@ -95,14 +96,14 @@ def recorded(model):
             out.register_hook(lambda g: log.append("shared backward"))
 
     block.shared_experts.down_proj.register_forward_hook(shared_ran)
-    return log
+    return block.experts.engine
 
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 def test_shared_experts_run_once_while_the_engine_computes(concurrent, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
     model = lora_model("deepseek_v3")
-    log = recorded(model)
+    log = recorded(model).log
     loss_and_grads(model)
     # Between the engine's start and the wait for its result, in both passes: the shared experts' forward is
     # queued, and so is their backward (before the engine's gradients are waited for).
@@ -115,8 +116,7 @@ def test_a_backward_that_adds_into_existing_grads_runs_the_engine_first(monkeypa
     # gradients the caller holds; only writes into the call's own buffers may run meanwhile.
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
     model = lora_model("deepseek_v3")
-    recorded(model)
-    engine = next(m for m in model.modules() if hasattr(m, "shared_experts")).experts.engine
+    engine = recorded(model)
     loss_and_grads(model)  # the routed experts' LoRA grads are None: written into the module's buffers
     loss_and_grads(model)  # a second micro-batch: added into them
     assert [now for kind, now in engine.now if kind == "backward"] == [False, True]
@@ -128,8 +128,7 @@ def test_full_mode_runs_the_engine_first(monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
     model = tiny_model("deepseek_v3")
     use_cpu_experts(model)
-    recorded(model)
-    engine = next(m for m in model.modules() if hasattr(m, "shared_experts")).experts.engine
+    engine = recorded(model)
     loss_and_grads(model)
     assert [now for kind, now in engine.now if kind == "backward"] == [True]
 
@@ -147,7 +146,7 @@ def test_the_shared_experts_own_hooks_wrap_their_computation():
 
 def test_the_stock_order_runs_the_shared_experts_after_the_engine():
     model = lora_model("deepseek_v3", overlap=False)
-    log = recorded(model)
+    log = recorded(model).log
     loss_and_grads(model)
     assert log == ["engine forward", "engine forward done", "shared",
                    "shared backward", "engine backward", "engine backward done"]
@@ -194,7 +193,7 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
 def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing):
     # The same kernels, the engine on its driver thread meanwhile; float32 CUDA kernels against the CPU engine.
     model = lora_model("deepseek_v3")
-    log = recorded(model)
+    log = recorded(model).log
     loss, grads = loss_and_grads(model, checkpointing, "cuda")
     assert log[:3] == ["engine forward", "shared", "engine forward done"]
     assert log[-3:] == ["engine backward", "shared backward", "engine backward done"]
