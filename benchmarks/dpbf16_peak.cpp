@@ -1,7 +1,8 @@
 // The BF16 dot product's ceiling on this CPU, for the avx512_bf16 set's emulated tile products: vdpbf16ps
 // (16 lanes × 2 multiply-adds) and, for scale, vfmadd231ps on 512-bit registers, 12 independent sums each so
-// that throughput, not latency, bounds the loop. Run one copy per core at once to see the all-core rate.
-//   g++ -O2 -mavx512f -mavx512bw -mavx512bf16 benchmarks/dpbf16_peak.cpp -o /tmp/dpbf16_peak
+// that throughput, not latency, bounds the loop. Run one copy per core at once to see the all-core rate. -O3: at
+// -O2 GCC 12 keeps the sums in memory (a load and a store around every instruction), which halves the rate.
+//   g++ -O3 -mavx512f -mavx512bw -mavx512bf16 benchmarks/dpbf16_peak.cpp -o /tmp/dpbf16_peak
 //   for c in 0 1; do taskset -c $c /tmp/dpbf16_peak & done; wait
 #include <immintrin.h>
 

@@ -26,28 +26,35 @@ struct AmxTiles {
     }();
     _tile_loadconfig(&cfg);
   }
-  // The tile intrinsics take register numbers as literals, hence one function per use.
-  static void zero_acc() {
+  // Tile registers 0-3 accumulate the four results, 4 and 5 hold the A operands, 6 and 7 the B operands (the
+  // intrinsics take register numbers as literals).
+  template <class Before, class ATile, class AStride, class BTile>
+  static void block(bool i2, bool j2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
+                    long b_stride, float (*t)[TR * TR]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-  }
-  static void load_a0(const void* p, long stride) { _tile_loadd(4, p, stride); }
-  static void load_a1(const void* p, long stride) { _tile_loadd(5, p, stride); }
-  static void load_b0(const void* p, long stride) { _tile_loadd(6, p, stride); }
-  static void load_b1(const void* p, long stride) { _tile_loadd(7, p, stride); }
-  static void dp00() { _tile_dpbf16ps(0, 4, 6); }
-  static void dp01() { _tile_dpbf16ps(1, 4, 7); }
-  static void dp10() { _tile_dpbf16ps(2, 5, 6); }
-  static void dp11() { _tile_dpbf16ps(3, 5, 7); }
-  static void store_acc(int q, void* p, long stride) {
-    switch (q) {
-      case 0: _tile_stored(0, p, stride); break;
-      case 1: _tile_stored(1, p, stride); break;
-      case 2: _tile_stored(2, p, stride); break;
-      default: _tile_stored(3, p, stride); break;
+    for (int kc = 0; kc < KC; ++kc) {
+      before(kc);
+      _tile_loadd(4, a_tile(0, kc), a_stride(kc));
+      _tile_loadd(6, b_tile(0, kc), b_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if (j2) {
+        _tile_loadd(7, b_tile(1, kc), b_stride);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (i2) {
+        _tile_loadd(5, a_tile(1, kc), a_stride(kc));
+        _tile_dpbf16ps(2, 5, 6);
+        if (j2) _tile_dpbf16ps(3, 5, 7);
+      }
     }
+    constexpr long stride = TR * sizeof(float);
+    _tile_stored(0, t[0], stride);
+    if (j2) _tile_stored(1, t[1], stride);
+    if (i2) _tile_stored(2, t[2], stride);
+    if (i2 && j2) _tile_stored(3, t[3], stride);
   }
 };
 

@@ -5,6 +5,7 @@
 // FP8 and INT4 weights off the tiles the dot form of quantized_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is
 // rounded as the model's own dtype would (tests/tolerances.py: BF16_DOT).
 #include <cstring>
+#include <type_traits>
 
 #include "simd_avx512.h"
 #include "kernel_body.h"
@@ -63,58 +64,72 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
   }
 }
 
-// The tile unit's operations (tile_body.h's `Tiles` policy) on vdpbf16ps, for CPUs with AVX-512 BF16 and no
-// AMX: the four 16×16 float32 accumulators live in memory (4 KB, in L1), load_* only note where an operand
-// is, and a tile product runs row by row: each A row's 16 BF16 pairs broadcast against B's 16 pair-rows held
-// in registers, 16 products per instruction as the tile unit forms them (pairs summed in float32).
+// The tile unit's 32×32 result block (tile_body.h's `Tiles::block`) on vdpbf16ps, for CPUs with AVX-512 BF16
+// and no AMX: the result's rows are taken RB at a time, each row's 16 (one block column) or 32 (both) sums held
+// in registers over the whole reduction; each A row's BF16 pairs are broadcast against B's pair-rows, 16
+// products per instruction as the tile unit forms them (pairs summed in float32). RB · NJ = 16 sums in flight
+// hide the instruction's latency where two issue per cycle (Zen 5), and A, B and the sums are each read or
+// written once per reduction block instead of the sums going through memory at every step.
 struct Bf16Tiles {
-  struct State {
-    alignas(64) float acc[4][TR * TR];
-    const char* a[2];
-    const char* b[2];
-    long a_stride[2], b_stride[2];
-  };
-  static State& state() {
-    thread_local State s;
-    return s;
-  }
   static void begin() {}
-  static void zero_acc() { std::memset(state().acc, 0, sizeof(state().acc)); }
-  static void load_a0(const void* p, long stride) { load(state().a[0], state().a_stride[0], p, stride); }
-  static void load_a1(const void* p, long stride) { load(state().a[1], state().a_stride[1], p, stride); }
-  static void load_b0(const void* p, long stride) { load(state().b[0], state().b_stride[0], p, stride); }
-  static void load_b1(const void* p, long stride) { load(state().b[1], state().b_stride[1], p, stride); }
-  static void dp00() { dp(0, 0, 0); }
-  static void dp01() { dp(1, 0, 1); }
-  static void dp10() { dp(2, 1, 0); }
-  static void dp11() { dp(3, 1, 1); }
-  static void store_acc(int q, void* p, long stride) {
-    for (int r = 0; r < TR; ++r)
-      _mm512_storeu_ps(static_cast<char*>(p) + r * stride, _mm512_load_ps(state().acc[q] + r * TR));
+  template <class Before, class ATile, class AStride, class BTile>
+  static void block(bool i2, bool j2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
+                    long b_stride, float (*t)[TR * TR]) {
+    if (j2)
+      rows<2>(i2, KC, before, a_tile, a_stride, b_tile, b_stride, t);
+    else
+      rows<1>(i2, KC, before, a_tile, a_stride, b_tile, b_stride, t);
   }
 
  private:
-  static void load(const char*& at, long& at_stride, const void* p, long stride) {
-    at = static_cast<const char*>(p);
-    at_stride = stride;
+  template <class F>
+  [[gnu::noinline]] static void call(const F& f, int kc) {
+    f(kc);
   }
-  // acc[q] += A_i · B_j: row r of the result gathers A's row r pair by pair against B's pair-rows, RB rows at
-  // a time so that RB independent sums hide the instruction's latency.
-  static constexpr int RB = 8;
-  static void dp(int q, int i, int j) {
-    State& s = state();
-    __m512bh b[TR];
-    for (int p = 0; p < TR; ++p) b[p] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(s.b[j] + p * s.b_stride[j]));
-    for (int r0 = 0; r0 < TR; r0 += RB) {
-      __m512 v[RB];
-      for (int r = 0; r < RB; ++r) v[r] = _mm512_load_ps(s.acc[q] + (r0 + r) * TR);
-      for (int p = 0; p < TR; ++p)
-        for (int r = 0; r < RB; ++r) {
-          int pair;
-          std::memcpy(&pair, s.a[i] + (r0 + r) * s.a_stride[i] + 4 * p, 4);
-          v[r] = _mm512_dpbf16_ps(v[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair)), b[p]);
+  template <int NJ, class Before, class ATile, class AStride, class BTile>
+  static void rows(bool i2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile, long b_stride,
+                   float (*t)[TR * TR]) {
+    constexpr int RB = 16 / NJ;
+    for (int r0 = 0; r0 < (i2 ? 2 * TR : TR); r0 += RB) {
+      const int di = r0 / TR;
+      __m512 v[RB][NJ];
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+        for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_setzero_ps();
+      // The first rows' pass also runs before(kc) (packing B, requesting memory ahead), as a call: inlined, its
+      // own vectors pushed the sums out of registers in every pass (the backward's products 25-40% slower).
+      auto pass = [&](auto first) {
+        for (int kc = 0; kc < KC; ++kc) {
+          if constexpr (first) call(before, kc);
+          const long as = a_stride(kc);
+          const char* a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * as;
+          const char* b[NJ];
+          for (int dj = 0; dj < NJ; ++dj) b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
+          for (int p = 0; p < TR; ++p) {
+            __m512bh bp[NJ];
+#pragma GCC unroll 2
+            for (int dj = 0; dj < NJ; ++dj)
+              bp[dj] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b[dj] + p * b_stride));
+#pragma GCC unroll 16
+            for (int r = 0; r < RB; ++r) {
+              int pair;
+              std::memcpy(&pair, a + r * as + 4 * p, 4);
+              const __m512bh ap = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+#pragma GCC unroll 2
+              for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_dpbf16_ps(v[r][dj], ap, bp[dj]);
+            }
+          }
         }
-      for (int r = 0; r < RB; ++r) _mm512_store_ps(s.acc[q] + (r0 + r) * TR, v[r]);
+      };
+      if (r0 == 0)
+        pass(std::true_type{});
+      else
+        pass(std::false_type{});
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+        for (int dj = 0; dj < NJ; ++dj) _mm512_store_ps(t[2 * di + dj] + (r0 % TR + r) * TR, v[r][dj]);
     }
   }
 };

@@ -3,10 +3,11 @@
 // BF16), which every CPU with either has. Include after simd_avx512.h and kernel_body.h (widen_row decodes
 // weight rows).
 //
-// Tiles: four accumulators hold a 2×2 block of 16×16 float32 results (acc q = block (q/2, q%2)), a0/a1 the
-// A operands of its two block rows (16 rows × 32 BF16), b0/b1 the B operands of its two block columns (16
-// pairs of k × 16 columns × 2); dpIJ accumulates aI·bJ. One pass over K per 32×32 result block; every
-// output element is reduced by the tile unit in one fixed order, whatever the thread that computes it.
+// Tiles::block computes a 2×2 block of 16×16 float32 results (tile q = block (q/2, q%2)) from the A operands
+// of its two block rows (16 rows × 32 BF16 per reduction block) and the B operands of its two block columns (16
+// pairs of k × 16 columns × 2), one pass over K; every output element is reduced in one fixed order (32-column
+// reduction blocks in turn, BF16 pairs summed in float32 as the tile unit does), whatever the thread that
+// computes it.
 //
 // Dot form (x·Wᵀ) runs transposed: the weight rows are the A operand, loaded in place from the expert's
 // BF16 rows (or from a decoded panel), and the activations, packed once per call in the nt layout, are the
@@ -210,42 +211,32 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 // stores. make_b(j, kc) runs before B tile (j, kc) is first loaded (during the first block row), so a B operand
 // packed on the way overlaps its memory reads with the tile products of the previous tiles. ahead(i, step, steps) runs at
 // each of the `steps` reduction steps of block row pair i, so that A operands read from memory can be
-// requested a block row pair ahead, spread over the time its tile products take.
+// requested a block row pair ahead, spread over the time its tile products take. Each 32×32 result block is
+// the policy's `Tiles::block`, which calls before(kc) ahead of its first use of reduction block kc's operands.
 template <class Tiles, class ATile, class AStride, class BTile, class MakeB, class Ahead, class Put>
 void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
                  Ahead ahead, Put put) {
-  alignas(64) float t[TR * TR];
+  alignas(64) float t[4][TR * TR];
   Tiles::begin();
   const long steps = long((JB + 1) / 2) * KC;
   for (int i = 0; i < IB; i += 2) {
     const bool i2 = i + 1 < IB;
     for (int j = 0; j < JB; j += 2) {
       const bool j2 = j + 1 < JB;
-      Tiles::zero_acc();
-      for (int kc = 0; kc < KC; ++kc) {
+      auto before = [&](int kc) {
         ahead(i, long(j / 2) * KC + kc, steps);
         if (i == 0) {
           make_b(j, kc);
           if (j2) make_b(j + 1, kc);
         }
-        Tiles::load_a0(a_tile(i, kc), a_stride(kc));
-        Tiles::load_b0(b_tile(j, kc), b_stride);
-        Tiles::dp00();
-        if (j2) {
-          Tiles::load_b1(b_tile(j + 1, kc), b_stride);
-          Tiles::dp01();
-        }
-        if (i2) {
-          Tiles::load_a1(a_tile(i + 1, kc), a_stride(kc));
-          Tiles::dp10();
-          if (j2) Tiles::dp11();
-        }
-      }
+      };
+      Tiles::block(
+          i2, j2, KC, before, [&](int di, int kc) { return a_tile(i + di, kc); }, a_stride,
+          [&](int dj, int kc) { return b_tile(j + dj, kc); }, b_stride, t);
       for (int q = 0; q < 4; ++q) {
         const int di = q / 2, dj = q % 2;
         if ((di && !i2) || (dj && !j2)) continue;
-        Tiles::store_acc(q, t, TR * 4);
-        put(i + di, j + dj, t);
+        put(i + di, j + dj, t[q]);
       }
     }
   }
