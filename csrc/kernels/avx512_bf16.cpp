@@ -5,7 +5,7 @@
 // FP8 and INT4 weights off the tiles the dot form of quantized_bf16_dot.h. x is exact in BF16 already; h = silu(g)·u is
 // rounded as the model's own dtype would (tests/tolerances.py: BF16_DOT).
 #include <cstring>
-#include <type_traits>
+#include <vector>
 
 #include "simd_avx512.h"
 #include "kernel_body.h"
@@ -75,62 +75,72 @@ struct Bf16Tiles {
   template <class Before, class ATile, class AStride, class BTile>
   static void block(bool i2, bool j2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
                     long b_stride, float (*t)[TR * TR]) {
-    if (j2)
-      rows<2>(i2, KC, before, a_tile, a_stride, b_tile, b_stride, t);
-    else
-      rows<1>(i2, KC, before, a_tile, a_stride, b_tile, b_stride, t);
+    thread_local std::vector<Step> steps;
+    steps.resize(KC);
+    const int nj = j2 ? 2 : 1, rb = TR / nj;
+    for (int kc = 0; kc < KC; ++kc)
+      for (int dj = 0; dj < nj; ++dj) steps[kc].b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
+    for (int r0 = 0; r0 < (i2 ? 2 * TR : TR); r0 += rb) {
+      const int di = r0 / TR;
+      for (int kc = 0; kc < KC; ++kc) {
+        steps[kc].as = a_stride(kc);
+        steps[kc].a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * steps[kc].as;
+      }
+      alignas(64) float sums[TR][TR] = {};
+      auto run = [&](int kc, int n) { (j2 ? sum_steps<2> : sum_steps<1>)(steps.data() + kc, n, b_stride, sums[0]); };
+      if (r0 == 0)  // before(kc) first packs or requests what step kc reads
+        for (int kc = 0; kc < KC; ++kc) {
+          before(kc);
+          run(kc, 1);
+        }
+      else
+        run(0, KC);
+      for (int r = 0; r < rb; ++r)
+        for (int dj = 0; dj < nj; ++dj)
+          std::memcpy(t[2 * di + dj] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
+    }
   }
 
  private:
-  template <class F>
-  [[gnu::noinline]] static void call(const F& f, int kc) {
-    f(kc);
-  }
-  template <int NJ, class Before, class ATile, class AStride, class BTile>
-  static void rows(bool i2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile, long b_stride,
-                   float (*t)[TR * TR]) {
-    constexpr int RB = 16 / NJ;
-    for (int r0 = 0; r0 < (i2 ? 2 * TR : TR); r0 += RB) {
-      const int di = r0 / TR;
-      __m512 v[RB][NJ];
+  // One reduction block: A's RB rows from a, `as` bytes apart; the block columns' B operands.
+  struct Step {
+    const char* a;
+    long as;
+    const char* b[2];
+  };
+  // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj. A leaf of its own, so that the sums'
+  // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
+  // stack in some callers and ran the products 2-3x slower).
+  template <int NJ>
+  [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
+    constexpr int RB = TR / NJ;
+    __m512 v[RB][NJ];
 #pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
-        for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_setzero_ps();
-      // The first rows' pass also runs before(kc) (packing B, requesting memory ahead), as a call: inlined, its
-      // own vectors pushed the sums out of registers in every pass (the backward's products 25-40% slower).
-      auto pass = [&](auto first) {
-        for (int kc = 0; kc < KC; ++kc) {
-          if constexpr (first) call(before, kc);
-          const long as = a_stride(kc);
-          const char* a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * as;
-          const char* b[NJ];
-          for (int dj = 0; dj < NJ; ++dj) b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
-          for (int p = 0; p < TR; ++p) {
-            __m512bh bp[NJ];
+      for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
+    for (int k = 0; k < n; ++k) {
+      const char* a = st[k].a;
+      const long as = st[k].as;
+      for (int p = 0; p < TR; ++p) {
+        __m512bh bp[NJ];
 #pragma GCC unroll 2
-            for (int dj = 0; dj < NJ; ++dj)
-              bp[dj] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b[dj] + p * b_stride));
+        for (int dj = 0; dj < NJ; ++dj)
+          bp[dj] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(st[k].b[dj] + p * b_stride));
 #pragma GCC unroll 16
-            for (int r = 0; r < RB; ++r) {
-              int pair;
-              std::memcpy(&pair, a + r * as + 4 * p, 4);
-              const __m512bh ap = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+        for (int r = 0; r < RB; ++r) {
+          int pair;
+          std::memcpy(&pair, a + r * as + 4 * p, 4);
+          const __m512bh ap = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
 #pragma GCC unroll 2
-              for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_dpbf16_ps(v[r][dj], ap, bp[dj]);
-            }
-          }
+          for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_dpbf16_ps(v[r][dj], ap, bp[dj]);
         }
-      };
-      if (r0 == 0)
-        pass(std::true_type{});
-      else
-        pass(std::false_type{});
-#pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 2
-        for (int dj = 0; dj < NJ; ++dj) _mm512_store_ps(t[2 * di + dj] + (r0 % TR + r) * TR, v[r][dj]);
+      }
     }
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r)
+#pragma GCC unroll 2
+      for (int dj = 0; dj < NJ; ++dj) _mm512_store_ps(sums + (r * NJ + dj) * TR, v[r][dj]);
   }
 };
 
