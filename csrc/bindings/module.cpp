@@ -1,9 +1,5 @@
 // The one pybind11 module, kt_sft._C. Tensors arrive as (data_ptr, dtype, shape) tuples made by
 // kt_sft/_ext.py from contiguous CPU tensors; the C++ side re-checks dtype and shape.
-#include <dlfcn.h>
-
-#include <cstdint>
-
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -54,17 +50,6 @@ Lora to_lora(int r, float scale, const py::list& mats, float dropout = 0.f, uint
   return l;
 }
 
-// cuLaunchHostFunc of the CUDA driver the process has loaded (torch's), or null where there is none: the
-// extension does not link CUDA.
-using LaunchHostFunc = int (*)(void* stream, void (*fn)(void*), void* data);
-LaunchHostFunc launch_host_func() {
-  static const LaunchHostFunc f = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    return lib ? reinterpret_cast<LaunchHostFunc>(dlsym(lib, "cuLaunchHostFunc")) : nullptr;
-  }();
-  return f;
-}
-
 // A call in flight: wait() releases the GIL while the engine runs. `keep` holds every tensor view of the
 // call (each view tuple carries its tensor), so dropping the caller's references cannot free memory the
 // engine is still reading.
@@ -94,24 +79,6 @@ struct Pending {
     if (result && *result) return py::cast(*result);
     return py::none();
   }
-  // Makes a CUDA stream (a cudaStream_t, as torch's Stream.cuda_stream gives it) wait for the call: a host
-  // function that the driver runs in the stream's order blocks it until the call is done, so that work queued
-  // on the stream after it (copies of the call's results to the GPU) runs after the call, while the caller goes
-  // on. False where the CUDA driver does not provide that (the caller waits itself). Errors still surface
-  // through wait() only; its tensors stay held until wait().
-  bool stream_waits(uintptr_t stream) {
-    const LaunchHostFunc launch = launch_host_func();
-    if (!launch) return false;
-    auto* held = new std::shared_ptr<Ticket>(ticket);
-    auto wait_for_call = [](void* p) {
-      auto* t = static_cast<std::shared_ptr<Ticket>*>(p);
-      (*t)->wait_quiet();
-      delete t;
-    };
-    if (launch(reinterpret_cast<void*>(stream), wait_for_call, held) == 0) return true;
-    delete held;
-    return false;
-  }
 };
 
 // An engine call: queued for the driver thread (now = false: submit now, wait later), or run on this thread
@@ -127,11 +94,7 @@ std::shared_ptr<Ticket> start(std::function<void()> job, bool now) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "kt_sft CPU expert engine";
   py::class_<Saved, std::shared_ptr<Saved>>(m, "Saved").def_property_readonly("bytes", [](const Saved& s) { return s.bytes; });
-  py::class_<Pending>(m, "Pending")
-      .def("wait", &Pending::wait)
-      .def("done", [](Pending& p) { return p.ticket->done(); })
-      .def("stream_waits", &Pending::stream_waits)
-      .def_property_readonly("seconds", [](Pending& p) { return p.ticket->seconds(); });
+  py::class_<Pending>(m, "Pending").def("wait", &Pending::wait).def("done", [](Pending& p) { return p.ticket->done(); });
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
       .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale) {
@@ -149,7 +112,6 @@ PYBIND11_MODULE(_C, m) {
               float scale, py::list lora, bool save, float dropout, uint32_t seed, bool now) {
              View vx = to_view(x), vi = to_view(idx), vw = to_view(w), vo = to_view(out);
              Lora l = to_lora(r, scale, lora, dropout, seed);
-             self->check_forward(vx, vi, vw, vo, l);
              auto result = std::make_shared<std::shared_ptr<Saved>>();
              auto ticket = start([=] { *result = self->forward(vx, vi, vw, vo, l, save); }, now);
              return Pending{ticket, result, py::make_tuple(x, idx, w, out, lora)};
@@ -178,7 +140,6 @@ PYBIND11_MODULE(_C, m) {
              }
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
-             self->check_backward(*saved, vx, vd, l, g);
              auto ticket = start([=] { self->backward(*saved, vx, vd, l, g); }, now);
              return Pending{ticket, nullptr,
                             py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved))};

@@ -47,7 +47,14 @@ void route(const View& idx, const View& w, int E, Saved& sv) {
   const int64_t* id = idx.as<int64_t>();
   const float* wt = w.as<float>();
   sv.offset.assign(E + 1, 0);
-  for (long i = 0; i < long(T) * K; ++i) ++sv.offset[id[i] + 1];  // ids checked by check_forward
+  for (long i = 0; i < long(T) * K; ++i) {
+    int64_t e = id[i];
+    if (e < 0 || e >= E)
+      throw std::invalid_argument("top_k_index holds expert id " + std::to_string(e) + " at token " +
+                                  std::to_string(i / K) + "; ids must be in [0, " + std::to_string(E) +
+                                  ") for this layer's " + std::to_string(E) + " experts.");
+    ++sv.offset[e + 1];
+  }
   for (int e = 0; e < E; ++e) sv.offset[e + 1] += sv.offset[e];
   std::vector<int> fill(sv.offset.begin(), sv.offset.end() - 1);
   sv.slot_token.resize(size_t(T) * K);
@@ -539,31 +546,19 @@ size_t MoeExperts::scratch_floats(long T, long K, long E, long H, long I, long r
                 + (3 * (N + 15 * E) * nn_ld(r) + 6 * tile_rows(r) * (N + 63 * E)) / 2);
 }
 
-void MoeExperts::check_forward(const View& x, const View& idx, const View& w, const View& out,
-                               const Lora& lora) const {
-  if (x.shape.size() != 2 || idx.shape.size() != 2)
-    throw std::invalid_argument("hidden_states must be [T, H] and top_k_index [T, K].");
-  const int T = int(x.shape[0]), K = int(idx.shape[1]);
-  expect_float(x, "hidden_states", {T, H_});
-  expect(idx, "top_k_index", DType::i64, {T, K});
-  expect(w, "top_k_weights", DType::f32, {T, K});
-  expect(out, "output", x.dtype, {T, H_});
-  check_lora(lora);
-  const int64_t* id = idx.as<int64_t>();
-  for (long i = 0; i < long(T) * K; ++i)
-    if (id[i] < 0 || id[i] >= E_)
-      throw std::invalid_argument("top_k_index holds expert id " + std::to_string(id[i]) + " at token " +
-                                  std::to_string(i / K) + "; ids must be in [0, " + std::to_string(E_) +
-                                  ") for this layer's " + std::to_string(E_) + " experts.");
-}
-
 std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const View& w, const View& out,
                                            const Lora& lora, bool save) const {
   Runtime& rt = Runtime::get();
   const KernelSet& ks = rt.kernels();
-  check_forward(x, idx, w, out, lora);
+  if (x.shape.size() != 2 || idx.shape.size() != 2)
+    throw std::invalid_argument("hidden_states must be [T, H] and top_k_index [T, K].");
   const int T = int(x.shape[0]), K = int(idx.shape[1]);
   const long H = H_, I = I_, N = long(T) * K;
+  expect_float(x, "hidden_states", {T, H});
+  expect(idx, "top_k_index", DType::i64, {T, K});
+  expect(w, "top_k_weights", DType::f32, {T, K});
+  expect(out, "output", x.dtype, {T, H});
+  check_lora(lora);
   const int r = lora.r;
 
   Phases phase(rt);
@@ -755,10 +750,12 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
 namespace kt {
 
-void MoeExperts::check_backward(const Saved& sv, const View& x, const View& dout, const Lora& lora,
-                                const Grads& gr) const {
+void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, const Lora& lora, const Grads& gr) const {
+  Runtime& rt = Runtime::get();
+  const KernelSet& ks = rt.kernels();
   const int T = sv.T, K = sv.K, r = lora.r;
-  const long H = H_, I = I_;
+  const long H = H_, I = I_, N = long(T) * K;
+  const float s = lora.scale;
   expect_float(x, "hidden_states", {T, H});
   expect(dout, "grad_output", x.dtype, {T, H});
   expect(gr.dx, "grad_hidden_states", x.dtype, {T, H});
@@ -776,16 +773,6 @@ void MoeExperts::check_backward(const Saved& sv, const View& x, const View& dout
                                 " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
-}
-
-void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, const Lora& lora, const Grads& gr) const {
-  Runtime& rt = Runtime::get();
-  const KernelSet& ks = rt.kernels();
-  check_backward(sv, x, dout, lora, gr);
-  const int T = sv.T, K = sv.K, r = lora.r;
-  const long H = H_, I = I_, N = long(T) * K;
-  const float s = lora.scale;
-  const long in[3] = {H, H, I}, outd[3] = {I, I, H};
   Phases phase(rt);
   phase("backward.inputs");
   // LoRA grads of experts that got no token are zeros, or get nothing added (the others are written below).

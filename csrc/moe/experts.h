@@ -82,10 +82,6 @@ class MoeExperts {
                                  bool save) const;
   // dout [T, H] same dtype as x.
   void backward(const Saved& saved, const View& x, const View& dout, const Lora& lora, const Grads& grads) const;
-  // What forward and backward check of their arguments before computing (invalid_argument naming the problem):
-  // a caller that runs them later on another thread checks first, so that the error reaches the caller at once.
-  void check_forward(const View& x, const View& idx, const View& w, const View& out, const Lora& lora) const;
-  void check_backward(const Saved& saved, const View& x, const View& dout, const Lora& lora, const Grads& grads) const;
 
   // Scratch floats a call with these sizes uses (the formula of the README's workspace section).
   static size_t scratch_floats(long T, long K, long E, long H, long I, long r, int threads);

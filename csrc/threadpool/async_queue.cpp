@@ -1,24 +1,6 @@
 #include "async_queue.h"
 
-#include <chrono>
-
 namespace kt {
-
-namespace {
-
-// Runs job; returns its exception, if any, and the seconds it ran.
-std::pair<std::exception_ptr, double> run_job(const std::function<void()>& job) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::exception_ptr err;
-  try {
-    job();
-  } catch (...) {
-    err = std::current_exception();
-  }
-  return {err, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
-}
-
-}  // namespace
 
 void Ticket::wait() {
   std::unique_lock<std::mutex> lk(mu_);
@@ -33,26 +15,6 @@ void Ticket::wait() {
 bool Ticket::done() {
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
-}
-
-void Ticket::wait_quiet() {
-  std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return done_; });
-}
-
-double Ticket::seconds() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return seconds_;
-}
-
-void Ticket::finish(std::exception_ptr error, double seconds) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    error_ = error;
-    seconds_ = seconds;
-    done_ = true;
-  }
-  cv_.notify_all();
 }
 
 AsyncQueue::AsyncQueue() : thread_([this] { loop(); }) {}
@@ -83,8 +45,12 @@ std::shared_ptr<Ticket> AsyncQueue::run_now(const std::function<void()>& job) {
     busy_ = true;
   }
   auto t = std::make_shared<Ticket>();
-  const auto [err, seconds] = run_job(job);
-  t->finish(err, seconds);
+  try {
+    job();
+  } catch (...) {
+    t->error_ = std::current_exception();
+  }
+  t->done_ = true;
   bool queued;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -109,13 +75,21 @@ void AsyncQueue::loop() {
       jobs_.pop_front();
       busy_ = true;
     }
-    const auto [err, seconds] = run_job(item.first);
+    std::exception_ptr err;
+    try {
+      item.first();
+    } catch (...) {
+      err = std::current_exception();
+    }
     {
       std::lock_guard<std::mutex> lk(mu_);
       busy_ = false;
     }
     idle_cv_.notify_all();
-    item.second->finish(err, seconds);
+    std::lock_guard<std::mutex> lk(item.second->mu_);
+    item.second->error_ = err;
+    item.second->done_ = true;
+    item.second->cv_.notify_all();
   }
 }
 

@@ -17,19 +17,12 @@ class Ticket {
   // Blocks until the job has run; rethrows its exception, if any (once per ticket).
   void wait();
   bool done();
-  // Blocks until the job has run, leaving its exception to wait() (a waiter that cannot throw: a CUDA host
-  // function that holds a stream until the job is done).
-  void wait_quiet();
-  // The seconds the job itself ran (not its time in the queue); 0 until it is done.
-  double seconds();
 
  private:
   friend class AsyncQueue;
-  void finish(std::exception_ptr error, double seconds);
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
-  double seconds_ = 0;
   std::exception_ptr error_;
 };
 

@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import _C, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
-from ..ops.experts_function import engine_inputs, experts_call, result_of, run_forward, to_caller, to_engine
+from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -263,7 +263,6 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"no LoRA adapter {adapter!r} on these experts (have: {sorted(self.lora_A)}).")
         A, B = self.lora_A[adapter], self.lora_B[adapter]
         scale = sign * self.scaling[adapter]
-        self._drop_kept()  # a kept first pass ran on the old weights, and may still be reading them
 
         def merged(p, e):
             w = self.projection_weight(p, e)
@@ -279,6 +278,7 @@ class KTExperts(LoadsInPlace, nn.Module):
                         elif not torch.isfinite(new).all():
                             raise ValueError(f"merging adapter {adapter!r} would put NaN/Inf into expert {e}'s {p} "
                                              "weights; the weights were left unmerged.")
+        self.__dict__.pop("_kept", None)  # a kept first pass ran on the old weights
 
     def active_lora(self) -> str | None:
         """The adapter the engine applies on this call, or None for the base experts."""
@@ -316,29 +316,18 @@ class KTExperts(LoadsInPlace, nn.Module):
     def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
         nothing stays kept. lora_params, lora: as the forward takes them (compared only when a pass is kept)."""
-        if not recomputing():
-            self._drop_kept()
-            return None
-        kept = self.__dict__.get("_kept")
-        if kept is None:
+        kept = self.__dict__.pop("_kept", None)
+        if kept is None or not recomputing():
             return None
         if matches(kept, xc, idx, w, setting_of(self, lora_params, lora)):
             self.__dict__["_kept_misses"] = 0
-            return self.__dict__.pop("_kept")
-        self._drop_kept()
+            return kept
         misses = self.__dict__["_kept_misses"] = self.__dict__.get("_kept_misses", 0) + 1
         if misses == MISSES_BEFORE_OFF:
             warnings.warn(f"kt_sft: gradient checkpointing's recompute gave these routed experts other inputs than "
                           f"their first pass {misses} times in a row (a nondeterministic op before them?); they no "
                           "longer keep their first pass and run the CPU engine again in the recompute.", RuntimeWarning)
         return None
-
-    def _drop_kept(self) -> None:
-        """Drops the kept first pass, if any, once its engine call is done (it may still be in flight: run_forward),
-        raising what that call raised."""
-        kept = self.__dict__.pop("_kept", None)
-        if kept is not None:
-            result_of(kept.saved)
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
         if param.grad is None:
@@ -402,11 +391,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             # Gradient checkpointing's first pass, most likely.
             keep = (keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
                     and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
-            # A kept pass's result is waited for by the recompute that takes it, or when it is dropped (below):
-            # the call stays in flight (run_forward) while the GPU work after this layer is queued.
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
-                                     dropout=dropout, beside=beside, in_flight=keep)
-            self._drop_kept()
+                                     dropout=dropout, beside=beside)
+            self.__dict__["_kept"] = None
             if keep:
                 inputs = own(xc, hidden_states), own(idx, top_k_index), own(w, top_k_weights)
                 self.__dict__["_kept"] = KeptForward(*inputs, setting_of(self, lora, (r, scale, dropout)), out, saved)

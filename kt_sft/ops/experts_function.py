@@ -12,6 +12,9 @@ torch.autograd.grad() both are returned, and backward(inputs=...) computes none 
 """
 from __future__ import annotations
 
+import time
+from typing import NamedTuple
+
 import torch
 
 from .._ext import view
@@ -93,54 +96,32 @@ def start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, 
     whose wait() gives the engine's saved state (or None). now: run it on this thread at once; else the engine's
     driver thread runs it while the caller goes on. dropout: (p, seed) of LoRA dropout (p = 0: none)."""
     out = host_empty(xc.shape, xc.dtype, device)
+    t0 = time.perf_counter()
     pending = engine.forward(view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
                              lora_r, lora_scale, lora_views(lora32), save, *dropout, now=now)
-    return out, Running(pending, "forward")
+    return out, Running(pending, "forward", t0)
 
 
-class Running:
-    """An engine call in flight. wait() returns its result (the same on every call) and adds the time the engine
-    ran it (not its time in the queue behind an earlier call, which that call counts) to the step profile's phase
-    (engine_timer's), once."""
-
-    def __init__(self, pending, phase: str):
-        self.pending, self.phase, self.result, self.waited = pending, phase, None, False
+class Running(NamedTuple):
+    """An engine call in flight; wait() returns its result and adds its wall time, from its start, to the step
+    profile's phase (engine_timer's phases)."""
+    pending: object
+    phase: str
+    t0: float
 
     def wait(self):
-        if not self.waited:
-            self.result = self.pending.wait()
-            self.waited = True
-            add_engine_seconds(self.phase, self.pending.seconds)
-        return self.result
-
-    def ordered_on_stream(self, device: torch.device) -> bool:
-        """On a CUDA device: makes its current stream wait for the call (the CUDA driver holds the stream in a host
-        function until the engine is done), so that the GPU work queued after this, the copies of the call's
-        results first, runs after the engine while this thread goes on queuing it. Between the engine's
-        computation and Python's launches of the GPU work around it, what runs in turn is then only the GPU's own
-        time. The call's result and errors still come from wait(), which the caller must reach. False elsewhere
-        (the caller waits now)."""
-        return device.type == "cuda" and self.pending.stream_waits(torch.cuda.current_stream(device).cuda_stream)
+        result = self.pending.wait()
+        add_engine_seconds(self.phase, time.perf_counter() - self.t0)
+        return result
 
 
-def result_of(saved):
-    """A forward's saved state, waiting for it where the call was left in flight (a Running)."""
-    return saved.wait() if isinstance(saved, Running) else saved
-
-
-def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0), beside=None,
-                in_flight=False):
+def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout=(0.0, 0), beside=None):
     """One engine forward, as start_forward; beside() (GPU work to queue meanwhile) runs while the engine computes
-    (runs_beside) or after it. Returns (out, saved-or-None); with in_flight, where the copy of out to device can
-    be ordered after the engine on its stream (Running.ordered_on_stream), the call in flight in place of saved:
-    result_of() gives the saved state, and the caller must reach it (its errors surface there)."""
-    concurrent = runs_beside(device) and (beside is not None or in_flight)
+    (runs_beside) or after it. Returns (out, saved-or-None)."""
     out, running = start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dropout,
-                                 now=not concurrent)
+                                 now=beside is None or not runs_beside(device))
     if beside is not None:
         beside()
-    if in_flight and concurrent and running.ordered_on_stream(device):
-        return out, running
     return out, running.wait()
 
 
@@ -153,7 +134,7 @@ def runs_beside(device: torch.device) -> bool:
 def experts_call(module, x, top_k_index, top_k_weights, lora, lora_params, beside=None):
     """The routed experts of one training forward: the engine's forward, beside() while it runs, its result.
     lora: (r, scale, (dropout p, seed))."""
-    call = EngineCall(module, lora, lora_params, beside is not None and runs_beside(x.device), runs_beside(x.device))
+    call = EngineCall(module, lora, lora_params, beside is not None and runs_beside(x.device))
     token = StartEngine.apply(call, x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
                               *lora_params)
     if beside is not None:
@@ -169,14 +150,10 @@ class EngineCall:
     between queue their GPU work, and StartEngine waits for the engine and hands autograd its gradients: the GPU
     computes while the CPU does. concurrent: the engine runs on its driver thread while Python goes on (else on
     this thread, at once; the steps run in the same order), in backward only while its writes go to buffers of
-    this call's own. in_flight (on a GPU): the engine's results reach the GPU in its stream's order
-    (Running.ordered_on_stream) while Python goes on queuing the GPU work that follows; the forward's saved state
-    is waited for in backward, and the backward's LoRA grads at the end of the backward pass (only where they go to
-    buffers of this call's own, as for concurrent)."""
+    this call's own."""
 
-    def __init__(self, module, lora, lora_params, concurrent: bool, in_flight: bool):
+    def __init__(self, module, lora, lora_params, concurrent: bool):
         self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
-        self.in_flight = in_flight
         self.xc = self.lora32 = self.out = self.saved = self.running = self.grads = None
 
 
@@ -188,11 +165,10 @@ class StartEngine(torch.autograd.Function):
         r, scale, dropout = call.lora
         kept = module.take_kept(xc, idx, w, lora_params, call.lora)  # gradient checkpointing's recompute
         if kept is not None:
-            call.out, call.saved = kept.out, result_of(kept.saved)
+            call.out, call.saved = kept.out, kept.saved
         else:
             call.out, call.running = start_forward(module.engine, xc, idx, w, r, scale, call.lora32, save=True,
-                                                   device=x.device, dropout=dropout,
-                                                   now=not (call.concurrent or call.in_flight))
+                                                   device=x.device, dropout=dropout, now=not call.concurrent)
         call.xc = xc
         call.needs = ctx.needs_input_grad
         call.x_meta = (x.device, x.dtype)
@@ -204,28 +180,21 @@ class StartEngine(torch.autograd.Function):
     def backward(ctx, _token):
         call = ctx.call
         dx, dw, lora_grads, direct, base = call.grads
-        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
-        if call.in_flight and call.running.ordered_on_stream(dev):
-            # dx and dw reach the GPU after the engine, in the stream's order; the LoRA grads, which go straight
-            # into param.grad, are final when this backward pass ends (or, under reentrant checkpointing, the
-            # checkpoint's). If the pass fails first, dropping its callbacks drops the last reference to the call,
-            # whose handle waits for it as it goes: nothing goes on writing grads the caller holds.
-            torch.autograd.Variable._execution_engine.queue_callback(call.running.wait)
-        else:
-            call.running.wait()
+        call.running.wait()
         call.running = call.grads = call.saved = None
         for p, g, d in zip(call.lora_params, lora_grads, direct):
             if d:
                 p.grad = g
         out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(call.lora_params, lora_grads, direct)]
+        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
         return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), *base, *out_lora)
 
 
 class EngineResult(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, _token):
-        if call.running is not None and not (call.in_flight and call.running.ordered_on_stream(call.x_meta[0])):
-            call.saved = call.running.wait()  # else backward waits for it
+        if call.running is not None:
+            call.saved = call.running.wait()
             call.running = None
         ctx.call = call
         ctx.save_for_backward(call.xc)
@@ -238,8 +207,6 @@ class EngineResult(torch.autograd.Function):
         (xc,) = ctx.saved_tensors
         call = ctx.call
         module = call.module
-        if call.running is not None:  # the forward, left in flight
-            call.saved, call.running = call.running.wait(), None
         if call.saved is None:
             raise RuntimeError("KTExperts backward ran twice over one forward; run the forward again instead of "
                                "retain_graph=True.")
@@ -272,17 +239,13 @@ class EngineResult(torch.autograd.Function):
         # Concurrent only where the engine writes nothing the caller holds until StartEngine hands it over: grads
         # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
         # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
-        own_buffers = not any(accumulate) and d_gate_up is None and d_down is None
-        concurrent = call.concurrent and own_buffers
-        # Left in flight past StartEngine (its LoRA grads written while autograd goes on) only where they all go
-        # straight into param.grad or nowhere: a grad handed to autograd is read at once.
-        call.in_flight = (call.in_flight and own_buffers
-                          and all(g is None or d for g, d in zip(lora_grads, direct)))
+        concurrent = call.concurrent and not any(accumulate) and d_gate_up is None and d_down is None
+        t0 = time.perf_counter()
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
-            now=not (concurrent or call.in_flight), lora_accumulate=accumulate,
+            now=not concurrent, lora_accumulate=accumulate,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
-        call.running = Running(pending, "backward")
+        call.running = Running(pending, "backward", t0)
         call.grads = dx, dw, lora_grads, direct, base_out
         return None, grad_out.new_empty(0)

@@ -38,7 +38,7 @@ class KeptForward(NamedTuple):
     w: torch.Tensor
     setting: tuple  # setting_of() at the time
     out: torch.Tensor  # the engine's result, which no caller holds
-    saved: Any  # the engine's state for backward, or its call still in flight (experts_function.result_of)
+    saved: Any  # the engine's state for backward
 
 
 def keeps_forward(training: bool) -> bool:

@@ -3,9 +3,8 @@ through `kt-sft prepare` prints every N training forwards one line splitting the
 training forward began (one micro-batch: forward, backward and, at the end of an accumulation window, the
 optimizer step) into the CPU experts' forward (checkpoint recomputes included) and backward, the transfers to
 and from them, the wait for the GPU work that produces their inputs, and the rest, during which neither the
-engine nor a wait for the GPU runs (optimizer, Python, data, GPU work nobody waited for). On a GPU, Python
-queues GPU work while training calls of the engine are in flight (experts_function.Running.ordered_on_stream),
-so the engine's time and the rest overlap there: the sum can exceed the wall time. A second line splits the engine's time into
+engine nor a wait for the GPU runs (optimizer, Python, data, GPU work nobody waited for). The engine and the
+GPU run in turn, so the GPU wait is what overlapping them could hide. A second line splits the engine's time into
 its phases (gate/up, down, dx, weight gradients, ...), summed over the model's layers.
 """
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Time spent inside the CPU engine (each call's own run time, measured by the engine: a call that waits in
-its queue behind another, or runs while Python goes on, counts only while it runs), accumulated per phase
-(forward, backward), in moving tensors to and from it (transfer: device copies
+"""Wall time spent inside the CPU engine (for a call that runs while Python goes on: from its start to its
+result), accumulated per phase (forward, backward), in moving tensors to and from it (transfer: device copies
 and dtype casts of inputs, outputs and gradients), and waiting for the GPU work that produces its inputs (gpu),
 for step profiles. Phases are exclusive: a timer nested in another (the GPU wait inside a transfer) takes its
 time out of the outer one.
