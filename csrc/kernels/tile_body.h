@@ -169,6 +169,26 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
   }
 }
 
+// The lines of row i's columns [col0, col0 + len) as stored (BF16 values; FP8 or INT4 codes and their
+// scales), requested into L2.
+template <class TB>
+void request_row(const kt::Rows<TB>& b, long i, long col0, long len) {
+  auto lines = [](const void* p, long bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    for (uintptr_t l = a & ~uintptr_t(63); l < a + bytes; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T1);
+  };
+  if constexpr (std::is_same_v<TB, bf16>) {
+    lines(b.at(i) + col0, len * 2);
+  } else {
+    const auto cur = cursor<Simd>(b, i);
+    using Cursor = std::decay_t<decltype(cur)>;
+    lines(cur.codes() + Cursor::code_bytes(col0), Cursor::code_bytes(col0 + len) - Cursor::code_bytes(col0));
+    const long first = col0 / Cursor::SEG, last = (col0 + len - 1) / Cursor::SEG;
+    lines(cur.sc + first, long(sizeof(*cur.sc)) * (last - first + 1));
+  }
+}
+
 // Share `at` of `total` of the next product's lines (u; a partial first or last line of a run counted whole),
 // requested into L2: a product asks for one share per reduction step, so the requests spread over its run.
 inline void request_share(const kt::Upcoming& u, long at, long total) {
@@ -381,23 +401,24 @@ void tile_nn(const TileNN<TB>& g) {
   };
   // Rows of a segment, a reduction block of them: each row is read (or decoded) once per item as one contiguous
   // segment of N columns; float32 rows (f32: LoRA A) times the segment's scale. The rows lie a page or more
-  // apart, out of the hardware prefetchers' reach: BF16 rows two reduction blocks ahead are requested into L2
-  // while this one is packed (at the DeepSeek-V3 layer, T = 4096, backward ~10% faster than requesting the next
-  // block's into L1, which was as fast at Layer Q; none: slower at both).
+  // apart, out of the hardware prefetchers' reach: BF16 rows and INT4 codes (with their scales) two reduction
+  // blocks ahead are requested into L2 while this one is packed (BF16 at the DeepSeek-V3 layer, T = 4096: backward
+  // ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none: slower at both.
+  // INT4 at Layer Q: backward 7% faster on Zen 5 (T = 512), 2-5% on the GPU machine's AMX (T = 2048), its
+  // decoding pack having waited on every row's codes; FP8's `dout·W_down` 10% slower requested on Zen 5, so its
+  // rows are not).
   auto pack_weights = [&](const auto& b, int K, int kc, long k0, float scale) {
     using RowsOf = std::decay_t<decltype(b)>;
     constexpr bool quantized =
         std::is_same_v<RowsOf, kt::Rows<fp8_block>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>;
     for (long k = k0; k < k0 + TC; k += 2) {
+      if constexpr (std::is_same_v<RowsOf, kt::Rows<bf16>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>)
+        for (long row = k + 2 * TC; row < std::min<long>(k + 2 * TC + 2, K); ++row) request_row(b, row, g.b_off, g.N);
       if constexpr (quantized)
         if (g.b_off % TC == 0 && g.N % TC == 0) {
           pack_decoded_pair(b, K, kc, k);
           continue;
         }
-      if constexpr (std::is_same_v<RowsOf, kt::Rows<bf16>>)
-        for (long row = k + 2 * TC; row < std::min<long>(k + 2 * TC + 2, K); ++row)
-          for (long c = 0; c < g.N; c += TC)
-            _mm_prefetch(reinterpret_cast<const char*>(b.at(row) + g.b_off + c), _MM_HINT_T1);
       pack_pair(kc, k, k < K ? row_bf16(b, k, g.b_off, g.N, decoded.data(), scale) : nullptr,
                 k + 1 < K ? row_bf16(b, k + 1, g.b_off, g.N, decoded.data() + np, scale) : nullptr);
     }
