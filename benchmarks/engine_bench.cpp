@@ -2,14 +2,18 @@
 // Python or torch in the process: each call routes every token to a fresh random expert set, as decode does, so
 // the weights come from RAM. Prints the median call of each round and, for the last, the engine's phases. Random
 // weights (INT4 codes / FP8 codes / BF16 values with constant scales), LoRA of rank r on all three projections.
+// Several formats (comma-separated) are one layer each, called in turn on the same routes: each format's median
+// call, and each later format's time as a share of the first's over adjacent calls (median), a ratio that a slow
+// spell of a shared machine moves far less than it moves rounds run one after another. Phases: one format only.
 //   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
 //         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench engine_bench   (one command)
-//   build/bench/engine_bench [threads] [bf16|fp8|int4] [T] [S|Q|DS]      (defaults: all CPUs, int4, 1, Q)
+//   build/bench/engine_bench [threads] [bf16|fp8|int4[,...]] [T] [S|Q|DS]    (defaults: all CPUs, int4, 1, Q)
 // KT_SFT_KERNELS picks the kernel set as for the Python package.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -82,19 +86,28 @@ struct Weights {
 
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? atoi(argv[1]) : 0;
-  const std::string format = argc > 2 ? argv[2] : "int4";
+  std::vector<std::string> formats;
+  for (std::string rest = argc > 2 ? argv[2] : "int4"; !rest.empty();) {
+    const size_t comma = rest.find(',');
+    formats.push_back(rest.substr(0, comma));
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+  }
   const long T = argc > 3 ? atol(argv[3]) : 1;
   const Shape s = shape_named(argc > 4 ? argv[4] : "Q");
-  if (format != "bf16" && format != "fp8" && format != "int4") {
-    std::fprintf(stderr, "format must be bf16, fp8 or int4, got %s\n", format.c_str());
-    return 2;
-  }
+  for (const auto& format : formats)
+    if (format != "bf16" && format != "fp8" && format != "int4") {
+      std::fprintf(stderr, "formats must be bf16, fp8 or int4 (comma-separated), got %s\n", format.c_str());
+      return 2;
+    }
   const char* kernels = getenv("KT_SFT_KERNELS");
   Runtime::get().configure(threads, true, kernels ? kernels : "", 0);
   std::mt19937 rng(3);
-  Weights weights(format, s, rng);
-  MoeExperts experts(int(s.E), int(s.H), int(s.I), weights.views);
-
+  std::vector<std::unique_ptr<Weights>> weights;
+  std::vector<std::unique_ptr<MoeExperts>> experts;
+  for (const auto& format : formats) {
+    weights.push_back(std::make_unique<Weights>(format, s, rng));
+    experts.push_back(std::make_unique<MoeExperts>(int(s.E), int(s.H), int(s.I), weights.back()->views));
+  }
   std::vector<float> A[3], B[3];
   Lora lora;
   lora.r = int(s.r);
@@ -120,21 +133,40 @@ int main(int argc, char** argv) {
     }
 
   Runtime& rt = Runtime::get();
+  const size_t F = formats.size();
+  auto call = [&](size_t f, std::vector<int64_t>& route) {
+    const double t0 = now();
+    experts[f]->forward(view(x.data(), DType::bf16, {T, s.H}), view(route.data(), DType::i64, {T, s.K}),
+                        view(route_w.data(), DType::f32, {T, s.K}), view(y.data(), DType::bf16, {T, s.H}), lora,
+                        false);
+    return (now() - t0) * 1e3;
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   const int rounds = 4;
   for (int round = 0; round < rounds; ++round) {
-    rt.set_profiling(round == rounds - 1);
+    // Phases are the runtime's, summed over every format: printed for one format only.
+    rt.set_profiling(F == 1 && round == rounds - 1);
     rt.phase_seconds(true);
-    std::vector<double> ms;
+    std::vector<std::vector<double>> ms(F), ratio(F);
     for (auto& route : routes) {
-      const double t0 = now();
-      experts.forward(view(x.data(), DType::bf16, {T, s.H}), view(route.data(), DType::i64, {T, s.K}),
-                      view(route_w.data(), DType::f32, {T, s.K}), view(y.data(), DType::bf16, {T, s.H}), lora, false);
-      ms.push_back((now() - t0) * 1e3);
+      double first = 0;
+      for (size_t f = 0; f < F; ++f) {
+        const double t = call(f, route);
+        ms[f].push_back(t);
+        if (f == 0) first = t;
+        ratio[f].push_back(t / first);
+      }
     }
-    std::sort(ms.begin(), ms.end());
-    std::printf("%s T=%ld, %d threads, kernels %s: median call %.3f ms", format.c_str(), T, rt.threads(),
-                rt.kernels().name, ms[ms.size() / 2]);
-    if (round == rounds - 1)
+    std::printf("T=%ld, %d threads, kernels %s:", T, rt.threads(), rt.kernels().name);
+    for (size_t f = 0; f < F; ++f) {
+      std::printf(" %s median call %.3f ms", formats[f].c_str(), median(ms[f]));
+      if (f > 0) std::printf(" (%.3f of %s's, median of adjacent calls)", median(ratio[f]), formats[0].c_str());
+      std::printf(f + 1 < F ? ";" : "");
+    }
+    if (F == 1 && round == rounds - 1)
       for (const auto& [phase, seconds] : rt.phase_seconds(true))
         std::printf(" | %s %.3f", phase.c_str(), seconds / double(routes.size()) * 1e3);
     std::printf("\n");
