@@ -224,6 +224,8 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
 // The codes of the next block of weight rows, requested while this block computes, a share per segment: quantized
 // rows (1-2 KB at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on
 // the first lines of every row (the instructions after the code loads took most of its samples on the dev machine).
+// Rows that lie one after another (an expert's rows: always, in the engine) are one run of lines, walked by one
+// pointer: the per-row bookkeeping had been a dozen instructions per line, as many as the step's own in decode.
 template <class Cursor>
 struct NextBlockRequests {
   const Cursor* next;  // the next block's rows
@@ -231,10 +233,24 @@ struct NextBlockRequests {
   long row_lines, per_segment;
   int row = 0;    // the next line to request: row of the next block,
   long line = 0;  // and line within it
+  const char* run = nullptr;  // the rows as one run: its next line, and its end
+  const char* run_end = nullptr;
   NextBlockRequests(const Cursor* next_rows, int nn, long K, long segments)
       : next(next_rows), rows(std::max(nn, 0)), row_lines((Cursor::code_bytes(K) + 63) / 64),
-        per_segment(segments ? (rows * row_lines + segments - 1) / segments : 0) {}
+        per_segment(segments ? (rows * row_lines + segments - 1) / segments : 0) {
+    if (!rows) return;
+    const long bytes = Cursor::code_bytes(K);
+    for (int j = 1; j < rows; ++j)
+      if (next[j].codes() != next[0].codes() + j * bytes) return;
+    run = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(next[0].codes()) & ~uintptr_t(63));
+    run_end = next[0].codes() + rows * bytes;
+    per_segment = segments ? (((run_end - run) + 63) / 64 + segments - 1) / segments : 0;
+  }
   void segment() {
+    if (run) {
+      for (long l = 0; l < per_segment && run < run_end; ++l, run += 64) __builtin_prefetch(run);
+      return;
+    }
     for (long l = 0; l < per_segment && row < rows; ++l) {
       __builtin_prefetch(next[row].codes() + line * 64);
       if (++line == row_lines) line = 0, ++row;
