@@ -225,7 +225,7 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
 // rows (1-2 KB at H = 2048) are too short for the hardware prefetchers to ramp up, and decode otherwise waited on
 // the first lines of every row (the instructions after the code loads took most of its samples on the dev machine).
 // Rows that lie one after another (an expert's rows: always, in the engine) are one run of lines, walked by one
-// pointer: the per-row bookkeeping had been a dozen instructions per line, as many as the step's own in decode.
+// pointer: the per-row bookkeeping had taken about a dozen instructions per line, two lines a step in decode.
 template <class Cursor>
 struct NextBlockRequests {
   const Cursor* next;  // the next block's rows
