@@ -11,6 +11,12 @@ memory read bandwidth, and peak RSS against the weight bytes.
   python benchmarks/bench_layer.py --shape Q --T 2048   # Qwen3-30B-A3B layer, r=16
   python benchmarks/bench_layer.py --shape Q --formats bf16,fp8,int4 --skip torch   # quantized experts
   python benchmarks/bench_layer.py --shape Q --phases   # also ours' time per engine phase (forward.gate_up, ...)
+  python benchmarks/bench_layer.py --shape Q --T 2048 --rounds 3   # every step timed in turn, three times over
+
+With --rounds N, ours, the peer and the PyTorch loop (every format) are timed one after another N times, and each
+ratio is printed per round and as the median over rounds besides the ratio of the medians: a slow spell of a shared
+machine then reaches both sides of a ratio within its round. All of them are built before the first round, so the
+peer's copy of the weights is held beside ours (neither's threads take CPU time while the other's run).
 
 With several --formats, each is measured for ours and for the peer's method of that format (AMXBF16_SFT,
 AMXFP8_SFT, RAWINT4_SFT; the peer's INT4 runs LoRA rank 8 only), and decode bandwidth counts each format's
@@ -135,7 +141,8 @@ def expert_bytes(fmt, gu, dn, q) -> int:
     return sum(t.numel() * t.element_size() for t in (q.gate_up, q.down, q.gate_up_scale, q.down_scale))
 
 
-def bench_ours(m, x, idx, w, r, reps, phases=False):
+def ours_step(m, x, idx, w, r):
+    """Ours' training step on module m (LoRA of rank r added): (fwd, bwd, drop_grads)."""
     m.add_lora(r, 2 * r)
     for p in m.lora_B["default"].values():
         torch.nn.init.normal_(p, std=0.01)
@@ -154,10 +161,15 @@ def bench_ours(m, x, idx, w, r, reps, phases=False):
         m.zero_grad(set_to_none=True)
         xg.grad = wg.grad = None
 
-    fwd_ms, bwd_ms = train_step_ms(fwd, bwd, drop_grads, reps)
-    inf_ms = inference_ms(m, x, idx, w, reps)
-    res = dict(fwd=fwd_ms, bwd=bwd_ms, infer=inf_ms)
-    if phases:  # separate training steps, so the profile's clock reads stay out of the timings above
+    return fwd, bwd, drop_grads
+
+
+def ours_extras(m, step, x, idx, w, reps, phases=False):
+    """Ours' inference forward on module m and, with `phases`, the engine's time per phase over training steps
+    of its own (so that the profile's clock reads stay out of the timed steps)."""
+    res = dict(infer=inference_ms(m, x, idx, w, reps))
+    if phases:
+        fwd, bwd, drop_grads = step
         timing.profile_engine_phases(True)
         timing.engine_phases(reset=True)
         for _ in range(reps):
@@ -169,7 +181,8 @@ def bench_ours(m, x, idx, w, r, reps, phases=False):
     return res
 
 
-def bench_torch(gu, dn, x, idx, w, r, reps):
+def torch_step(gu, dn, x, idx, w, r):
+    """The PyTorch BF16 per-expert loop's training step: (fwd, bwd, drop_grads)."""
     E, H, I = dn.shape[0], dn.shape[1], dn.shape[2]
     g = torch.Generator().manual_seed(2)
     A = {p: (torch.randn(E, r, d, generator=g) * 0.01).bfloat16().requires_grad_()
@@ -189,14 +202,14 @@ def bench_torch(gu, dn, x, idx, w, r, reps):
         for t in [xg, wg, *A.values(), *B.values()]:
             t.grad = None
 
-    fwd_ms, bwd_ms = train_step_ms(fwd, lambda: state["y"].backward(gout), drop_grads, reps)
-    return dict(fwd=fwd_ms, bwd=bwd_ms)
+    return fwd, lambda: state["y"].backward(gout), drop_grads
 
 
 PEER_METHODS = {"bf16": "AMXBF16_SFT", "fp8": "AMXFP8_SFT", "int4": "RAWINT4_SFT"}
 
 
-def bench_peer(gu, dn, q, x, idx, w, r, reps, threads, fmt="bf16"):
+def peer_step(gu, dn, q, x, idx, w, r, threads, fmt="bf16"):
+    """The peer's training step for a format: ((fwd, bwd, drop), "ok"), or (None, why it cannot run here)."""
     try:
         import peer_ktkernel
     except ImportError as e:
@@ -211,8 +224,7 @@ def bench_peer(gu, dn, q, x, idx, w, r, reps, threads, fmt="bf16"):
     gout = torch.randn_like(x)
     # Every saving forward is followed by its backward: its RAWINT4 method keeps a stack of saved forwards and
     # aborts the process when saving forwards pile up.
-    fwd_ms, bwd_ms = train_step_ms(lambda: peer.forward(x, idx, w), lambda: peer.backward(gout), lambda: None, reps)
-    return dict(fwd=fwd_ms, bwd=bwd_ms), "ok"
+    return (lambda: peer.forward(x, idx, w), lambda: peer.backward(gout), lambda: None), "ok"
 
 
 def rss_probe(E, H, I, K, T, r, fmt="bf16") -> dict:
@@ -267,22 +279,52 @@ def git_commit() -> str:
         return "?"
 
 
-def run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res, phases=False):
-    """Ours (and the peer) on one format's experts: training fwd/bwd, inference, decode, RSS."""
+def measure_rounds(steps: dict, reps: int, rounds: int) -> dict:
+    """Each training step of `steps` (name -> (fwd, bwd, drop)) timed in turn, `rounds` times over: name -> per round
+    [fwd ms, bwd ms] (medians of `reps` steps). A slow spell of a shared machine then reaches the steps of the
+    same round alike, so their ratio within a round moves less than the times do."""
+    out = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, (fwd, bwd, drop) in steps.items():
+            out[name].append(list(train_step_ms(fwd, bwd, drop, reps)))
+    return out
+
+
+def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res, phases=False):
+    """Ours, the peer and the PyTorch loop: training steps in rounds, then ours' inference, decode and RSS per
+    format."""
     E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
-    q = quantized(fmt, gu, dn)
-    res["ours"][fmt] = bench_ours(experts_module(gu, dn, q), x, idx, w, r, reps, phases)
-    if "peer" not in skip:
-        peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
-        res["peer"][fmt], res["peer_status"][fmt] = bench_peer(gu, dn, q, x, idx, w, peer_r, reps, threads, fmt)
-    if "decode" not in skip:
-        xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
-        m = experts_module(gu, dn, q)
-        m.add_lora(r, 2 * r)
-        ms = inference_ms(m, xd, idxd, wd, max(reps, 20))
-        res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
-    if "rss" not in skip:
-        res["rss"][fmt] = rss_probe(E, H, I, K, x.shape[0], r, fmt)
+    modules, steps = {}, {}
+    for fmt in formats:
+        q = quantized(fmt, gu, dn)
+        modules[fmt] = (experts_module(gu, dn, q), q)
+        steps[f"ours {fmt}"] = ours_step(modules[fmt][0], x, idx, w, r)
+        if "peer" not in skip:
+            peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
+            step, res["peer_status"][fmt] = peer_step(gu, dn, q, x, idx, w, peer_r, threads, fmt)
+            res["peer"][fmt] = None
+            if step:
+                steps[f"peer {fmt}"] = step
+    if "torch" not in skip:
+        steps["torch bf16"] = torch_step(gu, dn, x, idx, w, r)
+    res["rounds"] = measure_rounds(steps, reps, rounds)
+    for name, per_round in res["rounds"].items():
+        times = dict(fwd=statistics.median(t[0] for t in per_round), bwd=statistics.median(t[1] for t in per_round))
+        kind, fmt = name.split()
+        if kind == "torch":
+            res["torch"] = times
+        else:
+            res[kind][fmt] = times
+    for fmt, (m, q) in modules.items():
+        res["ours"][fmt].update(ours_extras(m, steps[f"ours {fmt}"], x, idx, w, reps, phases))
+        if "decode" not in skip:
+            xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
+            md = experts_module(gu, dn, q)
+            md.add_lora(r, 2 * r)
+            ms = inference_ms(md, xd, idxd, wd, max(reps, 20))
+            res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
+        if "rss" not in skip:
+            res["rss"][fmt] = rss_probe(E, H, I, K, x.shape[0], r, fmt)
     gc.collect()
 
 
@@ -295,6 +337,8 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: torch,peer,decode,rss,peak")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--phases", action="store_true", help="also time ours per engine phase (separate steps)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every training step in turn this many times; ratios per round and their median")
     args = ap.parse_args()
     s = dict(SHAPES[args.shape])
     s["T"] = args.T or s["T"]
@@ -313,10 +357,7 @@ def main():
     flop = 6 * T * K * H * I  # one pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products
     gu, dn = make_layer(E, H, I, r)
     x, idx, w = make_inputs(T, H, E, K)
-    for fmt in formats:
-        run_format(fmt, gu, dn, x, idx, w, r, reps, threads, skip, res, args.phases)
-    if "torch" not in skip:
-        res["torch"] = bench_torch(gu, dn, x, idx, w, r, reps)
+    run_formats(formats, gu, dn, x, idx, w, r, reps, args.rounds, threads, skip, res, args.phases)
     if "peak" not in skip:
         res["peak_gflops"] = measured_peak_gflops(threads)
         res["read_gbps"] = measured_read_gbps(threads)
@@ -339,11 +380,17 @@ def report(res, flop):
         if res["peer"].get(f) is None:
             print(f"peer {f}: not measured ({why})")
     total = {name: v["fwd"] + v["bwd"] for name, v in rows}
+    per_round = {name: [f + b for f, b in times] for name, times in res.get("rounds", {}).items()}
     for f in res["ours"]:
         base = total[f"ours {f}"]
         for other in (f"peer {f}", "torch bf16", "ours bf16"):
             if other in total and other != f"ours {f}":
-                print(f"ours {f} vs {other} (fwd+bwd): {total[other] / base:.2f}x faster")
+                line = f"ours {f} vs {other} (fwd+bwd): {total[other] / base:.2f}x faster"
+                if len(per_round.get(other, [])) > 1:
+                    ratios = [o / b for o, b in zip(per_round[other], per_round[f"ours {f}"])]
+                    line += (f"; within each round {', '.join(f'{x:.2f}' for x in ratios)}x, "
+                             f"median {statistics.median(ratios):.2f}x")
+                print(line)
         print(f"ours {f} inference forward: {res['ours'][f]['infer']:.1f} ms")
         if "phases" in res["ours"][f]:
             print(f"ours {f} phases, ms per step: " +
