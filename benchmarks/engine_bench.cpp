@@ -156,8 +156,10 @@ int main(int argc, char** argv) {
       for (size_t f = 0; f < F; ++f) {
         const double t = call(f, route);
         ms[f].push_back(t);
-        if (f == 0) first = t;
-        ratio[f].push_back(t / first);
+        if (f == 0)
+          first = t;
+        else
+          ratio[f].push_back(t / first);
       }
     }
     std::printf("T=%ld, %d threads, kernels %s:", T, rt.threads(), rt.kernels().name);
