@@ -169,6 +169,13 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
   }
 }
 
+// The line at p requested into L2, by asm: GCC 12's mod/ref analysis finds that a function whose only effect is
+// _mm_prefetch touches no memory and deletes the calls to it (-fno-ipa-modref keeps them). Before this form the
+// built kernels held only tile_nn's requests of BF16 rows (inlined into code that stores); request_share's, INT4
+// rows' and tile_nt's in-place weight requests (which ride on Tiles::block's out-of-line `before` call) were
+// dropped, whatever the comments below and the sessions that measured them said (BENCHMARKS.md).
+inline void request_line(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 // The lines of row i's columns [col0, col0 + len) as stored (BF16 values; FP8 or INT4 codes and their
 // scales), requested into L2.
 template <class TB>
@@ -176,7 +183,7 @@ void request_row(const kt::Rows<TB>& b, long i, long col0, long len) {
   auto lines = [](const void* p, long bytes) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     for (uintptr_t l = a & ~uintptr_t(63); l < a + bytes; l += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(l), _MM_HINT_T1);
+      request_line(reinterpret_cast<const char*>(l));
   };
   if constexpr (std::is_same_v<TB, bf16>) {
     lines(b.at(i) + col0, len * 2);
@@ -197,7 +204,7 @@ inline void request_share(const kt::Upcoming& u, long at, long total) {
   const long lines = u.rows * per;
   for (long l = at * lines / total, end = (at + 1) * lines / total; l < end; ++l) {
     const uintptr_t run = reinterpret_cast<uintptr_t>(u.p + (l / per) * u.stride) & ~uintptr_t(63);
-    _mm_prefetch(reinterpret_cast<const char*>(run + (l % per) * 64), _MM_HINT_T1);
+    request_line(reinterpret_cast<const char*>(run + (l % per) * 64));
   }
 }
 
@@ -302,8 +309,7 @@ void tile_nt(const TileNT<TB>& g) {
     if (!in_place || next >= IB) return;
     const long rows = std::min(2 * TR, int(g.N) - next * TR), lines = rows * row_lines;
     for (long l = step * lines / steps, end = (step + 1) * lines / steps; l < end; ++l)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (long(next) * TR + l / row_lines) * ldw) + (l % row_lines) * 64,
-                   _MM_HINT_T1);
+      request_line(reinterpret_cast<const char*>(w + (long(next) * TR + l / row_lines) * ldw) + (l % row_lines) * 64);
   };
   tile_blocks<Tiles>(
       IB, int(kt::tile_rows(g.M) / TR), KC, [&](int kc) { return (kc < KW ? ldw : ldf) * 2; }, TBYTES,

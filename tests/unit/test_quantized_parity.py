@@ -21,6 +21,11 @@ SHAPES = [
     # one and two rows per expert over whole INT4 groups: the split decode on the avx2 and avx512 sets
     Shape("decode_whole_groups", T=1, H=96, I=64, E=4, K=2, routing="few"),
     Shape("two_rows_whole_groups", T=2, H=96, I=64, E=4, K=2, routing="few"),
+    # the one-row dot forms' edges: passes of 4 weight rows ending short (gate/up's 70 rows, down's 102), and a
+    # reduction of 17 whole 64-column steps and half of one (H = 1120)
+    Shape("decode_row_edges", T=1, H=96, I=70, E=4, K=2, routing="few"),
+    Shape("decode_down_row_edges", T=1, H=102, I=64, E=4, K=2, routing="few"),
+    Shape("decode_long_reduction", T=1, H=1120, I=64, E=4, K=2, routing="few"),
 ] + [s for s in BF16_SHAPES if s.name in ("odd_h_and_i", "large_t", "rank_above_tile", "rank_256", "no_tokens",
                                            "chunked_long_reductions")]
 
@@ -45,8 +50,8 @@ def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
 # One or two rows per expert (decode) with BF16 activations: the decode kernels of every set (on amx, rows not on
 # tiles).
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("experts_without_tokens", "t1_decode")],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("experts_without_tokens", "t1_decode")
+                                    or s.name.startswith("decode_")], ids=lambda s: s.name)
 def test_quantized_decode_with_bf16_activations(kernels, fmt, shape):
     check_bf16_activations(fmt, shape, kernels)
 
