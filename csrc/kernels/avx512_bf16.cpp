@@ -87,7 +87,13 @@ struct Bf16Tiles {
         steps[kc].a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * steps[kc].as;
       }
       alignas(64) float sums[TR][TR] = {};
-      auto run = [&](int kc, int n) { (j2 ? sum_steps<2> : sum_steps<1>)(steps.data() + kc, n, b_stride, sums[0]); };
+      // A rows a multiple of 4 KB apart (weights read in place at H or I = 2048, decoded panels of K = 2048) lie in
+      // one L1 set: their pairs are broadcast from a staged copy then (sum_steps' STAGE).
+      auto run = [&](int kc, int n) {
+        const bool stage = steps[kc].as % 4096 == 0;
+        (j2 ? (stage ? sum_steps<2, true> : sum_steps<2, false>) : (stage ? sum_steps<1, true> : sum_steps<1, false>))(
+            steps.data() + kc, n, b_stride, sums[0]);
+      };
       if (r0 == 0)  // before(kc) first packs or requests what step kc reads
         for (int kc = 0; kc < KC; ++kc) {
           before(kc);
@@ -110,8 +116,11 @@ struct Bf16Tiles {
   };
   // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj. A leaf of its own, so that the sums'
   // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
-  // stack in some callers and ran the products 2-3x slower).
-  template <int NJ>
+  // stack in some callers and ran the products 2-3x slower). With STAGE, each step's RB A lines are first copied
+  // into a contiguous buffer, the next step's while this one computes: rows in one L1 set (8 ways on Zen 4) evict
+  // one another between the 16 broadcasts that read each line, and Layer Q's forward products (weight rows 4 KB
+  // apart) ran ~10% slower on Zen 4 than at H = 2016 until staged (BENCHMARKS.md).
+  template <int NJ, bool STAGE>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
     constexpr int RB = TR / NJ;
     __m512 v[RB][NJ];
@@ -119,9 +128,16 @@ struct Bf16Tiles {
     for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 2
       for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
+    alignas(64) char stage[2][RB][TBYTES];
+    auto copy_a = [&](int k) {
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r) _mm512_store_si512(stage[k & 1][r], _mm512_loadu_si512(st[k].a + r * st[k].as));
+    };
+    if (STAGE) copy_a(0);
     for (int k = 0; k < n; ++k) {
-      const char* a = st[k].a;
-      const long as = st[k].as;
+      if (STAGE && k + 1 < n) copy_a(k + 1);
+      const char* a = STAGE ? stage[k & 1][0] : st[k].a;
+      const long as = STAGE ? TBYTES : st[k].as;
       for (int p = 0; p < TR; ++p) {
         __m512bh bp[NJ];
 #pragma GCC unroll 2
