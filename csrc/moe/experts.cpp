@@ -18,6 +18,17 @@ constexpr int BLOCK = 64;
 
 long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
+// Output columns per forward work item when every routed expert has at most two rows (decode): BLOCK, doubled
+// up to 512 while the `experts` × column blocks still give each thread 16 items. A decode item is a few µs of
+// streaming, and per-item costs (handing it out, requesting the next one's rows, LoRA's share) were ~20% of
+// INT4's call on 2 threads at Layer Q: 128 gate/up and 512 down columns there ran INT4 decode 0.82-0.89 ms
+// against 0.97-1.12 at 64 (BENCHMARKS.md). With 15 threads the rule keeps 64, the width measured there.
+long decode_width(long experts, long cols, int threads) {
+  long w = BLOCK;
+  while (w < 512 && experts * ceil_div(cols, 2 * w) >= 16L * threads) w *= 2;
+  return w;
+}
+
 // Columns per LoRA-grad work item: each item reads its column segment of every row of the expert (tokens
 // gathered from anywhere), and 256 floats per row read 4x fewer, longer pieces than 64 (the phase took ~25%
 // less on the dev machine at Layer Q, T=512), with still E·(2H+I)·2/256 items to share.
@@ -649,10 +660,12 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   }
 
   phase("forward.gate_up");
+  const bool decode = std::all_of(routed.begin(), routed.end(), [&](int e) { return rows_of(*sv, e) <= 2; });
+  const long gw = decode ? decode_width(long(routed.size()), I, rt.threads()) : BLOCK;
   std::vector<Item> items;
   for (int e = 0; e < E_; ++e)
     if (rows_of(*sv, e))
-      for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({0, e, b});
+      for (int b = 0; b < ceil_div(I, gw); ++b) items.push_back({0, e, b});
   const bool bf16_act = x.dtype == DType::bf16;
   // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
   // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
@@ -674,13 +687,13 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   };
   // Gate's rows of a block, then up's; the next item's gate rows after them.
   auto gate_up_rows = [&](long it, int p) {
-    const long i0 = long(items[it].block) * BLOCK;
-    return upcoming(items[it].e, p, i0, std::min<long>(BLOCK, I - i0), 0, H);
+    const long i0 = long(items[it].block) * gw;
+    return upcoming(items[it].e, p, i0, std::min<long>(gw, I - i0), 0, H);
   };
   rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int) {
     const int e = items[it].e, n = rows_of(*sv, e);
-    const long i0 = long(items[it].block) * BLOCK;
-    const int ib = int(std::min<long>(BLOCK, I - i0));
+    const long i0 = long(items[it].block) * gw;
+    const int ib = int(std::min<long>(gw, I - i0));
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
@@ -730,16 +743,17 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // against 11-14 stored through them at T = 2048, 23-31 against 35-40 at T = 8192.
   phase("forward.down_slots");
   float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
-  const long blocks = ceil_div(H, BLOCK);
-  auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * BLOCK}; };
+  const long dw = decode ? decode_width(long(routed.size()), H, rt.threads()) : BLOCK;
+  const long blocks = ceil_div(H, dw);
+  auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * dw}; };
   rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
     const auto [e, h0] = block_of(it);
     Upcoming next;
     if (next_it >= 0) {
       const auto [next_e, next_h0] = block_of(next_it);
-      next = upcoming(next_e, DOWN, next_h0, std::min<long>(BLOCK, H - next_h0), 0, I);
+      next = upcoming(next_e, DOWN, next_h0, std::min<long>(dw, H - next_h0), 0, I);
     }
-    down(e, h0, int(std::min<long>(BLOCK, H - h0)), Y + sv->offset[e] * H + h0, H, next);
+    down(e, h0, int(std::min<long>(dw, H - h0)), Y + sv->offset[e] * H + h0, H, next);
   });
   phase("forward.combine");
   combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);

@@ -16,7 +16,11 @@ SHAPE = Shape("typical", T=64, H=96, I=80, E=8, K=3, r=5)
 
 
 # Many rows per expert and few (as at decode, where an expert's column blocks are most of the work items).
-@pytest.mark.parametrize("shape", [SHAPE, replace(SHAPE, name="few_rows", T=3)], ids=["many_rows", "few_rows"])
+# One row per expert of all 8 (decode_wide): the forward's items are 512 columns wide on 1 thread, 128 / 256 on 2,
+# 128 on 3 (experts.cpp decode_width), and each output element comes out the same.
+@pytest.mark.parametrize("shape", [SHAPE, replace(SHAPE, name="few_rows", T=3),
+                                   replace(SHAPE, name="decode_wide", T=1, H=1100, I=700, K=8)],
+                         ids=["many_rows", "few_rows", "decode_wide"])
 def test_thread_counts_give_identical_results(shape):
     m = make_module(shape, lora=True, train_base=True)
     x, idx, w, g = inputs(shape)

@@ -7,7 +7,7 @@ import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import SHAPES as BF16_SHAPES
 from test_experts_parity import RUNNABLE, TILE_KERNELS, check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
-from tolerances import BF16_DOT, BF16_DOT_DW, BF16_IO, QUANTIZED_IO, for_quantized_kernels, rel_l2
+from tolerances import BF16_DOT, BF16_DOT_DW, BF16_IO, FP32_IO, QUANTIZED_IO, for_quantized_kernels, rel_l2
 
 FORMATS = ["fp8", "int4"]
 
@@ -141,3 +141,24 @@ def test_quantized_forward_matches_bf16_within_quantization_error():
         for fmt, bound in (("fp8", 0.08), ("int4", 0.2)):  # e4m3 keeps 3 mantissa bits; int4 16 levels per group
             err = ((make_module(shape, lora=False, expert_format=fmt)(x, idx, w) - ref).norm() / ref.norm()).item()
             assert 0 < err < bound, (fmt, err)
+
+
+# Decode on one thread: every routed expert's forward items widen to 512 columns (experts.cpp decode_width), the last
+# of gate/up's (I = 700) and down's (H = 1100) short. BF16 weights too, with both activation dtypes.
+WIDE_DECODE = Shape("decode_wide_items", T=1, H=1100, I=700, E=8, K=8, r=4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16"] + FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16_act"])
+def test_decode_in_wide_items_on_one_thread(kernels, fmt, dtype):
+    m = make_module(WIDE_DECODE, lora=True, expert_format=fmt)
+    x, idx, w, g = inputs(WIDE_DECODE, dtype=dtype)
+    kt_sft.configure(threads=1)
+    try:
+        got = run_engine(m, x, idx, w, g)
+    finally:
+        kt_sft.configure(threads=0)
+    tol = QUANTIZED_IO if fmt != "bf16" else FP32_IO
+    if dtype == torch.bfloat16:
+        tol = for_quantized_kernels(kernels, BF16_IO, bf16_activations=True)
+    check(got, run_reference(m, x, idx, w, g), tol, WIDE_DECODE)
