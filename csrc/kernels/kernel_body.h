@@ -162,21 +162,26 @@ inline void widen_row(const kt::Rows<int4_group>& b, long i, long col0, long len
   widen_quantized(cursor<Simd>(b, i), col0, len, dst);
 }
 
-// The lines [run, end) requested into L2, `per` at each call of step(): the next block of weight rows, spread
-// over this block's reduction. Into L1 (prefetcht0) BF16 decode ran slower than with no requests on Zen 4.
+// The lines of [begin, end) requested into L1 (Locality 3) or L2 (2), a share at each call of step(), so that
+// `steps` calls request them all: the next block of weight rows, spread over this block's reduction.
+template <int Locality>
 struct LineRun {
-  const char* run = nullptr;
+  const char* run = nullptr;  // the next line to request
   const char* end = nullptr;
   long per = 0;
+  LineRun() = default;
+  LineRun(const char* begin, const char* stop, long steps)
+      : run(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(begin) & ~uintptr_t(63))), end(stop),
+        per(steps ? ((end - run + 63) / 64 + steps - 1) / steps : 0) {}
   void step() {
-    for (long l = 0; l < per && run < end; ++l, run += 64) __builtin_prefetch(run, 0, 2);
+    for (long l = 0; l < per && run < end; ++l, run += 64) __builtin_prefetch(run, 0, Locality);
   }
 };
 
 // Dot-form tile: rows a[i], b[j] hold k in [0, klen) of this chunk; `next` is requested as it runs.
 template <int MR, int NR, class TBp>
 void nt_tile(const float* const* a, const TBp* const* b, int klen, int mr, int nr, float* c, long ldc, float alpha,
-             bool accumulate, bool first, LineRun next = {}) {
+             bool accumulate, bool first, LineRun<2> next = {}) {
   V acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = Simd::zero();
@@ -231,14 +236,13 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
           // Rows read in place and lying one after another (a whole reduction per chunk): the next block's are one
           // run, requested while the first row block computes. An expert's rows at decode are too short (1.5 KB at
           // I = 768) for the hardware prefetchers to ramp up before each is read: Layer Q BF16 decode's down phase
-          // took 1.13-1.17 ms against 0.73-0.81 requested (Zen 4, 2 threads; BENCHMARKS.md).
-          LineRun next;
+          // took 1.13-1.17 ms against 0.73-0.81 requested (Zen 4, 2 threads; BENCHMARKS.md). Into L1 it ran slower
+          // than with no requests.
+          LineRun<2> next;
           const int nn = std::min(NR, g.N - n0 - NR);
-          if (m0 == 0 && nn > 0 && !g.b.ptrs && klen == g.K && g.b.ld == g.K) {
-            next.run = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(g.b.at(n0 + NR)) & ~uintptr_t(63));
-            next.end = reinterpret_cast<const char*>(g.b.at(n0 + NR + nn));
-            next.per = ((next.end - next.run + 63) / 64 + klen / W - 1) / std::max(1, klen / W);
-          }
+          if (m0 == 0 && nn > 0 && !g.b.ptrs && klen == g.K && g.b.ld == g.K)
+            next = LineRun<2>(reinterpret_cast<const char*>(g.b.at(n0 + NR)),
+                              reinterpret_cast<const char*>(g.b.at(n0 + NR + nn)), klen / W);
           nt_tile<MR, NR>(a, b, klen, mr, nr, c, g.ldc, g.alpha, g.accumulate, k0 == 0, next);
         }
       }
@@ -258,8 +262,7 @@ struct NextBlockRequests {
   long row_lines, per_segment;
   int row = 0;    // the next line to request: row of the next block,
   long line = 0;  // and line within it
-  const char* run = nullptr;  // the rows as one run: its next line, and its end
-  const char* run_end = nullptr;
+  LineRun<3> run;  // the rows as one run, when they are
   NextBlockRequests(const Cursor* next_rows, int nn, long K, long segments)
       : next(next_rows), rows(std::max(nn, 0)), row_lines((Cursor::code_bytes(K) + 63) / 64),
         per_segment(segments ? (rows * row_lines + segments - 1) / segments : 0) {
@@ -267,13 +270,11 @@ struct NextBlockRequests {
     const long bytes = Cursor::code_bytes(K);
     for (int j = 1; j < rows; ++j)
       if (next[j].codes() != next[0].codes() + j * bytes) return;
-    run = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(next[0].codes()) & ~uintptr_t(63));
-    run_end = next[0].codes() + rows * bytes;
-    per_segment = segments ? (((run_end - run) + 63) / 64 + segments - 1) / segments : 0;
+    run = LineRun<3>(next[0].codes(), next[0].codes() + rows * bytes, segments);
   }
   void segment() {
-    if (run) {
-      for (long l = 0; l < per_segment && run < run_end; ++l, run += 64) __builtin_prefetch(run);
+    if (run.run) {
+      run.step();
       return;
     }
     for (long l = 0; l < per_segment && row < rows; ++l) {
