@@ -7,7 +7,8 @@ import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import SHAPES as BF16_SHAPES
 from test_experts_parity import RUNNABLE, TILE_KERNELS, check, kernels, tiles  # noqa: F401  (the kernel-set fixtures)
-from tolerances import BF16_DOT, BF16_DOT_DW, BF16_IO, FP32_IO, QUANTIZED_IO, for_quantized_kernels, rel_l2
+from tolerances import (BF16_DOT, BF16_DOT_DW, BF16_IO, FP32_IO, QUANTIZED_IO, for_kernels, for_quantized_kernels,
+                        rel_l2)
 
 FORMATS = ["fp8", "int4"]
 
@@ -158,7 +159,9 @@ def test_decode_in_wide_items_on_one_thread(kernels, fmt, dtype):
         got = run_engine(m, x, idx, w, g)
     finally:
         kt_sft.configure(threads=0)
-    tol = QUANTIZED_IO if fmt != "bf16" else FP32_IO
-    if dtype == torch.bfloat16:
-        tol = for_quantized_kernels(kernels, BF16_IO, bf16_activations=True)
+    if fmt == "bf16":  # BF16 weights: the BF16 experts' own bounds (test_experts_parity)
+        tol = for_kernels(kernels, BF16_IO if dtype == torch.bfloat16 else FP32_IO, dtype == torch.bfloat16)
+    else:
+        tol = for_quantized_kernels(kernels, BF16_IO if dtype == torch.bfloat16 else QUANTIZED_IO,
+                                    dtype == torch.bfloat16)
     check(got, run_reference(m, x, idx, w, g), tol, WIDE_DECODE)
