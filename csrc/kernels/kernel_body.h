@@ -255,14 +255,15 @@ void gemm_nt_tiles(const GemmNT<TB>& g, bool widen) {
 // the first lines of every row (the instructions after the code loads took most of its samples on the dev machine).
 // Rows that lie one after another (an expert's rows: always, in the engine) are one run of lines, walked by one
 // pointer: the per-row bookkeeping had taken about a dozen instructions per line, two lines a step in decode.
-template <class Cursor>
+// Into L1 (Locality 3) unless the caller says L2 (2).
+template <class Cursor, int Locality = 3>
 struct NextBlockRequests {
   const Cursor* next;  // the next block's rows
   int rows;
   long row_lines, per_segment;
   int row = 0;    // the next line to request: row of the next block,
   long line = 0;  // and line within it
-  LineRun<3> run;  // the rows as one run, when they are
+  LineRun<Locality> run;  // the rows as one run, when they are
   NextBlockRequests(const Cursor* next_rows, int nn, long K, long segments)
       : next(next_rows), rows(std::max(nn, 0)), row_lines((Cursor::code_bytes(K) + 63) / 64),
         per_segment(segments ? (rows * row_lines + segments - 1) / segments : 0) {
@@ -270,7 +271,7 @@ struct NextBlockRequests {
     const long bytes = Cursor::code_bytes(K);
     for (int j = 1; j < rows; ++j)
       if (next[j].codes() != next[0].codes() + j * bytes) return;
-    run = LineRun<3>(next[0].codes(), next[0].codes() + rows * bytes, segments);
+    run = LineRun<Locality>(next[0].codes(), next[0].codes() + rows * bytes, segments);
   }
   void segment() {
     if (run.run) {
@@ -278,7 +279,7 @@ struct NextBlockRequests {
       return;
     }
     for (long l = 0; l < per_segment && row < rows; ++l) {
-      __builtin_prefetch(next[row].codes() + line * 64);
+      __builtin_prefetch(next[row].codes() + line * 64, 0, Locality);
       if (++line == row_lines) line = 0, ++row;
     }
   }

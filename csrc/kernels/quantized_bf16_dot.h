@@ -22,6 +22,9 @@ namespace {
 struct Int4Steps {
   using Weights = int4_group;
   using Cursor = Int4Cursor<Simd>;
+  // The next block's codes requested into L1: into L2 the dot form ran 15-20% slower from RAM (Zen 4, one and two
+  // threads; BENCHMARKS.md).
+  static constexpr int kRequestLocality = 3;
   __m512i table;
   Int4Steps() {
     alignas(64) uint16_t t[32];
@@ -59,6 +62,9 @@ struct Int4Steps {
 struct Fp8Steps {
   using Weights = fp8_block;
   using Cursor = Fp8Cursor<Simd>;
+  // The next block's codes requested into L2: FP8 rows read twice INT4's bytes per weight, and requested into L1
+  // the dot form read them from RAM at ~13 GB/s per thread against 19-22 into L2 (Zen 4; BENCHMARKS.md).
+  static constexpr int kRequestLocality = 2;
   __m512i hi[2], lo[2];
   Fp8Steps() {
     alignas(64) uint8_t h[128], l[128];
@@ -120,7 +126,7 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
     const int nn = std::min(NR, g.N - n0 - NR);
     for (int j = 0; j < NR; ++j) cur[j] = cursor<Simd>(g.b, n0 + std::min(j, nr - 1));
     for (int j = 0; j < nn; ++j) next[j] = cursor<Simd>(g.b, n0 + NR + j);
-    NextBlockRequests<Cursor> requests(next, nn, g.K, steps);
+    NextBlockRequests<Cursor, Codec::kRequestLocality> requests(next, nn, g.K, steps);
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const bf16* a[MR];
