@@ -299,7 +299,10 @@ void gemm_nt_fused(const GemmNT<TB>& g) {
     const int nn = std::min(NR, g.N - n0 - NR);  // rows of the next block
     for (int j = 0; j < NR; ++j) cur[j] = cursor<S>(g.b, n0 + std::min(j, nr - 1));
     for (int j = 0; j < nn; ++j) next[j] = cursor<S>(g.b, n0 + NR + j);
-    NextBlockRequests<Cursor> requests(next, nn, g.K, (kv + Cursor::SEG - 1) / Cursor::SEG);
+    // FP8 codes into L2 with AVX-512: its decode 10-20% faster on Zen 4 (2 threads), where into L1 was faster with AVX2
+    // (BENCHMARKS.md); INT4 into L1.
+    constexpr int locality = std::is_same_v<TB, fp8_block> && S::W == 16 ? 2 : 3;
+    NextBlockRequests<Cursor, locality> requests(next, nn, g.K, (kv + Cursor::SEG - 1) / Cursor::SEG);
     for (int m0 = 0; m0 < g.M; m0 += MR) {
       const int mr = std::min(MR, g.M - m0);
       const float* a[MR];
