@@ -407,18 +407,17 @@ void tile_nn(const TileNN<TB>& g) {
   };
   // Rows of a segment, a reduction block of them: each row is read (or decoded) once per item as one contiguous
   // segment of N columns; float32 rows (f32: LoRA A) times the segment's scale. The rows lie a page or more
-  // apart, out of the hardware prefetchers' reach: BF16 rows and INT4 codes (with their scales) two reduction
-  // blocks ahead are requested into L2 while this one is packed (BF16 at the DeepSeek-V3 layer, T = 4096: backward
-  // ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none: slower at both.
-  // INT4 at Layer Q: backward 7% faster on Zen 5 (T = 512), 2-5% on the GPU machine's AMX (T = 2048), its
-  // decoding pack having waited on every row's codes; FP8's `dout·W_down` 10% slower requested on Zen 5, so its
-  // rows are not).
+  // apart, out of the hardware prefetchers' reach: the rows two reduction blocks ahead (BF16 values, FP8 or INT4
+  // codes with their scales) are requested into L2 while this one is packed (BF16 at the DeepSeek-V3 layer, T =
+  // 4096: backward ~10% faster than requesting the next block's into L1, which was as fast at Layer Q; none:
+  // slower at both. The quantized rows' requests were compiled out by GCC 12 until request_line: since, on Zen 4
+  // at Layer Q, T = 512, INT4's backward 22-36% faster, FP8's `dout·W_down` 22-35%; BENCHMARKS.md).
   auto pack_weights = [&](const auto& b, int K, int kc, long k0, float scale) {
     using RowsOf = std::decay_t<decltype(b)>;
     constexpr bool quantized =
         std::is_same_v<RowsOf, kt::Rows<fp8_block>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>;
     for (long k = k0; k < k0 + TC; k += 2) {
-      if constexpr (std::is_same_v<RowsOf, kt::Rows<bf16>> || std::is_same_v<RowsOf, kt::Rows<int4_group>>)
+      if constexpr (!std::is_same_v<RowsOf, kt::Rows<float>>)
         for (long row = k + 2 * TC; row < std::min<long>(k + 2 * TC + 2, K); ++row) request_row(b, row, g.b_off, g.N);
       if constexpr (quantized)
         if (g.b_off % TC == 0 && g.N % TC == 0) {
