@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU test machine's A/B of this tree against a base tree, in one device call (~8 minutes): both built with
 # engine_bench, software prefetches counted per function of amx.cpp as that machine's compiler builds it, decode with the
-# formats called in turn for both builds, the AMX and avx512_bf16 parity files, Layer Q T=2048 (BF16, INT4) per
+# formats called in turn for both builds, the AMX and avx512_bf16 parity files, Layer Q T=2048 (BF16, FP8, INT4) per
 # phase for both, and this tree against kt-kernel 0.7.2 in three rounds. Prepared on the dev machine first:
 #   mkdir -p .dev/base && git archive <base> csrc benchmarks CMakeLists.txt pyproject.toml | tar -x -C .dev/base
 #   .dev/ktk312: kt-kernel 0.7.2's cp312 wheel unzipped (kt_kernel/ without its avx2/avx512_base/vbmi/vnni
@@ -37,7 +37,7 @@ OMP_NUM_THREADS=1 KT_SFT_THREADS=1 timeout 200 python3 -m pytest -q -n 15 -k "am
 for b in base new; do
   echo "== Layer Q T=2048, $b"
   PYTHONPATH=.dev/pk_$b timeout 100 python3 benchmarks/bench_layer.py --shape Q --T 2048 --threads 15 \
-    --formats bf16,int4 --skip torch,peer,rss,decode,peak --reps 5 --phases 2>&1 | sed -n "/^shape/,\$p" | grep -v "^$"
+    --formats bf16,fp8,int4 --skip torch,peer,rss,decode,peak --reps 3 --phases 2>&1 | sed -n "/^shape/,\$p" | grep -v "^$"
 done
 echo "== this tree against kt-kernel"
 PYTHONPATH=$PWD:$PWD/.dev/ktk312 timeout 200 python3 benchmarks/bench_layer.py --shape Q --T 2048 --threads 15 \
