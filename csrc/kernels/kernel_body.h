@@ -84,7 +84,10 @@ inline void widen_row(const kt::Rows<TB>& b, long i, long col0, long len, float*
 // A cursor reads one quantized weight row segment by segment (an FP8 block or an INT4 group shares one
 // scale): raw(k) is W values at column k without their scale (k a multiple of 8), scale(k) the factor that
 // makes them exact weights, one(k) the exact weight at column k. S is Simd, a template parameter so that
-// raw(), which the scalar set has no vector decode for, is compiled only where it is used.
+// raw(), which the scalar set has no vector decode for, is compiled only where it is used. Columns are never
+// negative: divided as unsigned_col(k) they take a shift, where a signed division took four instructions more.
+inline unsigned long unsigned_col(long k) { return static_cast<unsigned long>(k); }
+
 template <class S>
 struct Fp8Cursor {
   static constexpr int SEG = fp8_block::BLOCK;
@@ -94,10 +97,10 @@ struct Fp8Cursor {
   // raw(k) and raw(k + W) at once where the set decodes pairs faster (Simd::fp8_pairs).
   static constexpr bool kPairs = S::fp8_pairs;
   void raw2(long k, typename S::V& lo, typename S::V& hi) const { S::fp8_scaled2(q + k, lo, hi); }
-  float scale(long k) const { return sc[k / SEG] * 256.f; }  // raw() is codes · 2^-8
+  float scale(long k) const { return sc[unsigned_col(k) / SEG] * 256.f; }  // raw() is codes · 2^-8
   const char* codes() const { return reinterpret_cast<const char*>(q); }
   static long code_bytes(long K) { return K; }
-  float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[k / SEG]; }
+  float one(long k) const { return kt::fp8_e4m3_to_f32(q[k]) * sc[unsigned_col(k) / SEG]; }
 };
 
 template <class S>
@@ -105,13 +108,13 @@ struct Int4Cursor {
   static constexpr int SEG = int4_group::GROUP;
   const uint32_t* w;  // the row's words
   const bf16* sc;     // the row's group scales
-  typename S::V raw(long k) const { return S::int4_values(w + k / 8); }
+  typename S::V raw(long k) const { return S::int4_values(w + unsigned_col(k) / 8); }
   static constexpr bool kPairs = false;
-  float scale(long k) const { return kt::bf16_to_f32(sc[k / SEG]); }
+  float scale(long k) const { return kt::bf16_to_f32(sc[unsigned_col(k) / SEG]); }
   // Columns k, k + 2, … into `even` and k + 1, k + 3, … into `odd`, W each (k even), without their scale and
   // short of S::int4_split_bias: each is nibble − 8 + int4_split_bias.
   void values_split(long k, typename S::V& even, typename S::V& odd) const {
-    S::int4_split_values(reinterpret_cast<const uint8_t*>(w) + k / 2, even, odd);
+    S::int4_split_values(reinterpret_cast<const uint8_t*>(w) + unsigned_col(k) / 2, even, odd);
   }
   const char* codes() const { return reinterpret_cast<const char*>(w); }
   static long code_bytes(long K) { return (K + 1) / 2; }

@@ -130,12 +130,16 @@ inline __m512i bf16x32(const Fp8Cursor<Simd>& cur, long c) {
 // INT4: the group's 16 possible weights, (nibble − 8) · scale, rounded once into a table that each nibble
 // indexes (vpermw reads the low 5 bits of an index lane), so a weight costs no arithmetic of its own.
 inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
-  const __m512 values = _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7),
-                                      _mm512_set1_ps(cur.scale(c)));
+  // The scale's BF16 bits in the upper half of every 32-bit lane (the lower halves zero) are its float32.
+  const short bits = short(cur.sc[unsigned_col(c) / 32]);
+  const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_set1_epi16(0xAAAAAAAAu, bits));
+  const __m512 values =
+      _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), scale);
   const __m256bh rounded = _mm512_cvtneps_pbh(values);
   const __m512i table = _mm512_castsi256_si512(reinterpret_cast<const __m256i&>(rounded));
   // Byte j holds weights 2j (low nibble) and 2j + 1 (high): spread into 16-bit lanes 2j and 2j + 1.
-  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cur.w + c / 8)));
+  const auto* bytes = reinterpret_cast<const __m128i*>(cur.w + unsigned_col(c) / 8);
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(bytes));
   const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(x, _mm512_slli_epi32(x, 12)), _mm512_set1_epi32(0x000f000f));
   return _mm512_permutexvar_epi16(nibbles, table);
 }
@@ -155,7 +159,11 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
     const auto cur = cursor<Simd>(b, i);
     using Cursor = std::decay_t<decltype(cur)>;
     alignas(64) float edge[32];
-    for (long c = col0, end = col0 + len; c < end;) {
+    long c = col0;
+    const long end = col0 + len;
+    if (col0 % 32 == 0)  // every step inside one block or group (both a multiple of 32): no segment bookkeeping
+      for (; c + 32 <= end; c += 32) _mm512_storeu_si512(dst + (c - col0), bf16x32(cur, c));
+    while (c < end) {
       const long send = std::min(end, (c / Cursor::SEG + 1) * Cursor::SEG);
       if (c % 8 == 0)
         for (; c + 32 <= send; c += 32) _mm512_storeu_si512(dst + (c - col0), bf16x32(cur, c));
