@@ -22,7 +22,7 @@ namespace {
 struct Int4Steps {
   using Weights = int4_group;
   using Cursor = Int4Cursor<Simd>;
-  // The next block's codes requested into L1: into L2 the dot form ran 15-20% slower from RAM (Zen 4, one and two
+  // The next block's codes requested into L1: into L2 the dot form ran 10-20% slower from RAM (Zen 4, one and two
   // threads; BENCHMARKS.md).
   static constexpr int kRequestLocality = 3;
   __m512i table;
