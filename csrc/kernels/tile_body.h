@@ -240,6 +240,27 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
   }
 }
 
+// Rows k and k + 1 of 32 columns (w0, w1) interleaved into the B operand's pair rows of two block columns by
+// in-lane unpacks, one shuffle each, where a two-source word permute (vpermt2w, which keeps the columns in order)
+// is several micro-ops on Intel's server cores (Skylake-SP: three, two on the shuffle port): 128-bit lane L of `lo`
+// pairs columns 8L .. 8L + 3, `hi` columns 8L + 4 .. 8L + 7. The backward packs every weight pair this way.
+inline void unpack_pair(__m512i w0, __m512i w1, __m512i& lo, __m512i& hi) {
+  lo = _mm512_unpacklo_epi16(w0, w1);
+  hi = _mm512_unpackhi_epi16(w0, w1);
+}
+
+// The result tiles of such a pair (t0 from `lo`, t1 from `hi`) back in column order: each row's 4-column pieces
+// alternate between the two.
+inline void unpair_columns(float* t0, float* t1) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int r = 0; r < TR; ++r) {
+    const __m512 a = _mm512_load_ps(t0 + r * TR), b = _mm512_load_ps(t1 + r * TR);
+    _mm512_store_ps(t0 + r * TR, _mm512_permutex2var_ps(a, first, b));
+    _mm512_store_ps(t1 + r * TR, _mm512_permutex2var_ps(a, second, b));
+  }
+}
+
 // The 2×2 block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
 // block-column j of reduction block kc, with their row strides in bytes (A's per reduction block: a_stride(kc));
 // tile (i, j) of the result covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)`
@@ -248,9 +269,11 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 // each of the `steps` reduction steps of block row pair i, so that A operands read from memory can be
 // requested a block row pair ahead, spread over the time its tile products take. Each 32×32 result block is
 // the policy's `Tiles::block`, which calls before(kc) ahead of its first use of reduction block kc's operands.
+// With `unpacked_pairs`, the B operand of a pair of block columns holds their 32 columns in the order
+// unpack_pair stores them, and each result tile pair is put back in column order (unpair_columns) before `put`.
 template <class Tiles, class ATile, class AStride, class BTile, class MakeB, class Ahead, class Put>
 void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
-                 Ahead ahead, Put put) {
+                 Ahead ahead, Put put, bool unpacked_pairs = false) {
   alignas(64) float t[4][TR * TR];
   Tiles::begin();
   const long steps = long((JB + 1) / 2) * KC;
@@ -268,6 +291,8 @@ void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile 
       Tiles::block(
           i2, j2, KC, before, [&](int di, int kc) { return a_tile(i + di, kc); }, a_stride,
           [&](int dj, int kc) { return b_tile(j + dj, kc); }, b_stride, t);
+      if (unpacked_pairs && j2)
+        for (int di = 0; di < (i2 ? 2 : 1); ++di) unpair_columns(t[2 * di], t[2 * di + 1]);
       for (int q = 0; q < 4; ++q) {
         const int di = q / 2, dj = q % 2;
         if ((di && !i2) || (dj && !j2)) continue;
@@ -378,19 +403,24 @@ void tile_nn(const TileNN<TB>& g) {
   thread_local isa_vector<bf16> panel, decoded;
   panel.resize((np / TR) * cs);
   decoded.resize(2 * np);
-  // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns:
-  // two-source permutes of row k's (first operand) and row k + 1's (second) values, pair_lo's element i taking
-  // column i / 2 of row k for even i and of row k + 1 (index 32 +) for odd i, pair_hi the same 16 columns on.
+  // Tile row (k % 32) / 2 of block (j, k / 32) interleaves rows k and k + 1 of B over the block's 16 columns. A
+  // pair of block columns takes unpack_pair's order; a last lone block column its 16 columns in order, by a
+  // two-source permute whose element i takes column i / 2 of row k for even i and of row k + 1 (index 32 +) for odd i.
   const __m512i pair_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i pair_hi = _mm512_add_epi16(pair_lo, _mm512_set1_epi16(16));
   // That tile row of panel slot kc, in block column 0.
   auto pair_row = [&](int kc, long k) { return panel.data() + long(kc) * TBLK + ((k % TC) / 2) * TC; };
   // Rows k, k + 1 (32 columns each, w0 and w1) into their tile rows of the two block columns at dst; the second
   // only where the panel has it (more than 16 columns left).
   auto store_pair = [&](bf16* dst, __m512i w0, __m512i w1, long left) {
-    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(w0, pair_lo, w1));
-    if (left > TR) _mm512_storeu_si512(dst + cs, _mm512_permutex2var_epi16(w0, pair_hi, w1));
+    if (left > TR) {  // both block columns: unpacked (tile_blocks puts the results back in order)
+      __m512i lo, hi;
+      unpack_pair(w0, w1, lo, hi);
+      _mm512_storeu_si512(dst, lo);
+      _mm512_storeu_si512(dst + cs, hi);
+    } else {
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(w0, pair_lo, w1));
+    }
   };
   // Rows k, k + 1 of a segment's B (K rows; null past K) into their tile row of panel slot kc, 32 columns (one
   // 64-byte load per row) at a time: the backward 4-11% faster than 16-column loads at Layer Q and the
@@ -470,7 +500,8 @@ void tile_nn(const TileNN<TB>& g) {
         [&](int i, int j, const float* t) {
           put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                    g.accumulate || c0 > 0, g.alpha, g.stream && CH == KC);
-        });
+        },
+        true);
   }
   if (g.stream) _mm_sfence();
 }
