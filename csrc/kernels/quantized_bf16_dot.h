@@ -112,7 +112,8 @@ void bf16_dot_activations(const float* x, long K, bf16* dst) {
   }
 }
 
-// MR activation rows × NR weight rows per block, every step's float32 sums scaled once.
+// MR activation rows × NR weight rows per block, every step's float32 sums scaled once; a last block of one or two
+// rows (MR = 4) takes a block of its own size instead of repeating a row.
 template <class Codec, int MR, int NR>
 void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
   using Cursor = typename Codec::Cursor;
@@ -127,12 +128,13 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
     for (int j = 0; j < NR; ++j) cur[j] = cursor<Simd>(g.b, n0 + std::min(j, nr - 1));
     for (int j = 0; j < nn; ++j) next[j] = cursor<Simd>(g.b, n0 + NR + j);
     NextBlockRequests<Cursor, Codec::kRequestLocality> requests(next, nn, g.K, steps);
-    for (int m0 = 0; m0 < g.M; m0 += MR) {
-      const int mr = std::min(MR, g.M - m0);
-      const bf16* a[MR];
-      for (int i = 0; i < MR; ++i) a[i] = xs.data() + (m0 + std::min(i, mr - 1)) * steps * 64;
-      __m512 acc[MR][NR];
-      for (int i = 0; i < MR; ++i)
+    // Activation rows m0 .. m0 + mr of this weight block, MB at a time (MB a compile-time constant).
+    auto block = [&](int m0, int mr, auto mb_c) {
+      constexpr int MB = decltype(mb_c)::value;
+      const bf16* a[MB];
+      for (int i = 0; i < MB; ++i) a[i] = xs.data() + (m0 + std::min(i, mr - 1)) * steps * 64;
+      __m512 acc[MB][NR];
+      for (int i = 0; i < MB; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
       // One step: `len` (64 but in a row's last step) is a constant in the loop over the whole steps, so that
       // the loads' masks and the scales' widths are settled at compile time there (GCC had kept a test and a jump
@@ -141,9 +143,9 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
       auto step = [&](long s, auto len_c) {
         const int len = len_c;
         requests.segment();
-        __m512bh x0[MR], x1[MR];
+        __m512bh x0[MB], x1[MB];
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; ++i) {
+        for (int i = 0; i < MB; ++i) {
           const __m512i e = _mm512_load_si512(a[i] + s * 64), o = _mm512_load_si512(a[i] + s * 64 + 32);
           x0[i] = reinterpret_cast<const __m512bh&>(e);
           x1[i] = reinterpret_cast<const __m512bh&>(o);
@@ -156,7 +158,7 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
           codec.weights(cur[j], s, len, w0, w1);
           const __m512 sv = Codec::scales(cur[j], s, len);
 #pragma GCC unroll 8
-          for (int i = 0; i < MR; ++i) {
+          for (int i = 0; i < MB; ++i) {
             __m512 seg = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<const __m512bh&>(w0), x0[i]);
             seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w1), x1[i]);
             acc[i][j] = _mm512_fmadd_ps(seg, sv, acc[i][j]);
@@ -169,27 +171,44 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
       // Over the whole block, so that no loop bound is known only at run time: otherwise acc needs a copy in
       // memory, which GCC kept by storing every accumulator at every step.
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i)
+      for (int i = 0; i < MB; ++i)
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j)
           if (i < mr && j < nr)
             store_out(g.c + long(m0 + i) * g.ldc + n0 + j, g.alpha, _mm512_reduce_add_ps(acc[i][j]), g.accumulate);
+    };
+    for (int m0 = 0; m0 < g.M; m0 += MR) {
+      const int mr = std::min(MR, g.M - m0);
+      if constexpr (MR == 4) {
+        if (mr == 1) {
+          block(m0, mr, std::integral_constant<int, 1>());
+          continue;
+        }
+        if (mr == 2) {
+          block(m0, mr, std::integral_constant<int, 2>());
+          continue;
+        }
+      }
+      block(m0, mr, std::integral_constant<int, MR>());
     }
   }
 }
 
-// Any number of activation rows: one alone, else two at a time and at most kDotRows per pass over the weights, so
-// the thread's reordered copy of them stays small (64 rows of DeepSeek-V3's H = 7168: 0.9 MB). On the dev machine
-// (Zen 4, 2 threads) INT4 this way was faster than widening tiles of weights to float32 for reuse (gemm_nt) at
-// every size tried, up to 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 .. 1024: 41-437
-// ms against 67-485), and four rows at a time no faster. One activation row (decode) takes 4 weight rows per pass
-// over the step: on Zen 5 (2 threads, Layer Q decode, six alternated rounds) INT4 calls took 1.02-1.50 ms against
-// 1.31-1.75 with 8 rows (gate/up's products 17-30% faster), FP8 1.17-1.81 against 1.43-2.07.
+// Any number of activation rows: one or two alone, else four at a time and at most kDotRows per pass over the
+// weights, so the thread's reordered copy of them stays small (64 rows of DeepSeek-V3's H = 7168: 0.9 MB). On the
+// dev machine (Zen 4, 2 threads) INT4 this way was faster than widening tiles of weights to float32 for reuse
+// (gemm_nt) at every size tried, up to 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 ..
+// 1024: 41-437 ms against 67-485). Four rows a block decode each weight half as often as two: one thread from RAM,
+// 3-16 rows, 18-40% faster than two-row blocks for INT4 and FP8 (Zen 4; BENCHMARKS.md), while two rows alone run
+// best as a block of two. One activation row (decode) takes 4 weight rows per pass over the step: on Zen 5 (2
+// threads, Layer Q decode, six alternated rounds) INT4 calls took 1.02-1.50 ms against 1.31-1.75 with 8 rows
+// (gate/up's products 17-30% faster), FP8 1.17-1.81 against 1.43-2.07.
 constexpr int kDotRows = 64;
 template <class Codec>
 void gemm_nt_bf16_dot_rows(const GemmNT<typename Codec::Weights>& g) {
   static const Codec codec;
   if (g.M == 1) return bf16_dot<Codec, 1, 4>(codec, g);
+  if (g.M == 2) return bf16_dot<Codec, 2, 4>(codec, g);
   for (int m0 = 0; m0 < g.M; m0 += kDotRows) {
     GemmNT<typename Codec::Weights> part = g;
     part.M = std::min(kDotRows, g.M - m0);
@@ -198,7 +217,7 @@ void gemm_nt_bf16_dot_rows(const GemmNT<typename Codec::Weights>& g) {
     else
       part.a.base = g.a.base + m0 * g.a.ld;
     part.c = g.c + m0 * g.ldc;
-    bf16_dot<Codec, 2, 4>(codec, part);
+    bf16_dot<Codec, 4, 4>(codec, part);
   }
 }
 
