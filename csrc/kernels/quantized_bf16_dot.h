@@ -199,7 +199,7 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
 // dev machine (Zen 4, 2 threads) INT4 this way was faster than widening tiles of weights to float32 for reuse
 // (gemm_nt) at every size tried, up to 64 rows per expert (Layer Q INT4 inference forwards with tiles off, T = 64 ..
 // 1024: 41-437 ms against 67-485). Four rows a block decode each weight half as often as two: one thread from RAM,
-// 3-16 rows, 18-40% faster than two-row blocks for INT4 and FP8 (Zen 4; BENCHMARKS.md), while two rows alone run
+// 3-16 rows, INT4 19-33% and FP8 3-24% faster than two-row blocks (Zen 4; BENCHMARKS.md), while two rows alone run
 // best as a block of two. One activation row (decode) takes 4 weight rows per pass over the step: on Zen 5 (2
 // threads, Layer Q decode, six alternated rounds) INT4 calls took 1.02-1.50 ms against 1.31-1.75 with 8 rows
 // (gate/up's products 17-30% faster), FP8 1.17-1.81 against 1.43-2.07.
