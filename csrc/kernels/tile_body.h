@@ -159,12 +159,11 @@ const bf16* row_bf16(const kt::Rows<TB>& b, long i, long col0, long len, bf16* d
     const auto cur = cursor<Simd>(b, i);
     using Cursor = std::decay_t<decltype(cur)>;
     alignas(64) float edge[32];
-    long c = col0;
-    const long end = col0 + len;
-    if (col0 % 32 == 0)  // every step inside one block or group (both a multiple of 32): no segment bookkeeping
-      for (; c + 32 <= end; c += 32) _mm512_storeu_si512(dst + (c - col0), bf16x32(cur, c));
-    while (c < end) {
-      const long send = std::min(end, (c / Cursor::SEG + 1) * Cursor::SEG);
+    // From a multiple of 32 every 32-column step lies inside one block or group (both multiples of 32): the whole
+    // segment is one run of steps, without bookkeeping per block or group.
+    const bool aligned = col0 % 32 == 0;
+    for (long c = col0, end = col0 + len; c < end;) {
+      const long send = aligned ? end : std::min(end, (c / Cursor::SEG + 1) * Cursor::SEG);
       if (c % 8 == 0)
         for (; c + 32 <= send; c += 32) _mm512_storeu_si512(dst + (c - col0), bf16x32(cur, c));
       for (long n; c < send; c += n) {
