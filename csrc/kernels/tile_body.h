@@ -241,8 +241,8 @@ void put_tile(const float* t, bool transposed, int m0, int mr, int n0, int nr, f
 
 // Rows k and k + 1 of 32 columns (w0, w1) interleaved into the B operand's pair rows of two block columns by
 // in-lane unpacks, one shuffle each, where a two-source word permute (vpermt2w, which keeps the columns in order)
-// is several micro-ops on Intel's server cores (Skylake-SP: three, two on the shuffle port): 128-bit lane L of `lo`
-// pairs columns 8L .. 8L + 3, `hi` columns 8L + 4 .. 8L + 7. The backward packs every weight pair this way.
+// is listed as several micro-ops on Intel's server cores (instruction tables; not measured here): 128-bit lane L
+// of `lo` pairs columns 8L .. 8L + 3, `hi` columns 8L + 4 .. 8L + 7. The backward packs every weight pair this way.
 inline void unpack_pair(__m512i w0, __m512i w1, __m512i& lo, __m512i& hi) {
   lo = _mm512_unpacklo_epi16(w0, w1);
   hi = _mm512_unpackhi_epi16(w0, w1);
