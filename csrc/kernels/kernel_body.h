@@ -110,7 +110,8 @@ struct Int4Cursor {
   const bf16* sc;     // the row's group scales
   typename S::V raw(long k) const { return S::int4_values(w + unsigned_col(k) / 8); }
   static constexpr bool kPairs = false;
-  float scale(long k) const { return kt::bf16_to_f32(sc[unsigned_col(k) / SEG]); }
+  bf16 scale_bits(long k) const { return sc[unsigned_col(k) / SEG]; }  // the group's scale as stored
+  float scale(long k) const { return kt::bf16_to_f32(scale_bits(k)); }
   // Columns k, k + 2, … into `even` and k + 1, k + 3, … into `odd`, W each (k even), without their scale and
   // short of S::int4_split_bias: each is nibble − 8 + int4_split_bias.
   void values_split(long k, typename S::V& even, typename S::V& odd) const {

@@ -131,7 +131,7 @@ inline __m512i bf16x32(const Fp8Cursor<Simd>& cur, long c) {
 // indexes (vpermw reads the low 5 bits of an index lane), so a weight costs no arithmetic of its own.
 inline __m512i bf16x32(const Int4Cursor<Simd>& cur, long c) {
   // The scale's BF16 bits in the upper half of every 32-bit lane (the lower halves zero) are its float32.
-  const short bits = short(cur.sc[unsigned_col(c) / int4_group::GROUP]);
+  const short bits = short(cur.scale_bits(c));
   const __m512 scale = _mm512_castsi512_ps(_mm512_maskz_set1_epi16(0xAAAAAAAAu, bits));
   const __m512 values =
       _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), scale);
