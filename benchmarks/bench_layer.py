@@ -114,14 +114,14 @@ def inference_ms(m, x, idx, w, reps: int) -> float:
 def make_layer(E, H, I, r, seed=0):
     """Random BF16 experts, each drawn from a generator of its own by a pool of threads: torch draws normal values
     on one thread per call, and the DeepSeek-V3 layer's 11 G weights drawn in one call (with 90 GB of float32
-    temporaries beside the 22.5 GB kept) made runs of 94-122 s on the GPU test machine, ~10 s of them timed."""
+    temporaries beside the 22.5 GB kept) made runs of 94-122 s on the GPU test machine, 35-43 s drawn this way."""
     gu = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
     dn = torch.empty(E, H, I, dtype=torch.bfloat16)
 
     def fill(e):
         g = torch.Generator().manual_seed(seed * E + e)
-        gu[e] = torch.randn(2 * I, H, generator=g) / H**0.5
-        dn[e] = torch.randn(H, I, generator=g) / I**0.5
+        gu[e] = torch.randn(2 * I, H, generator=g).div_(H**0.5)
+        dn[e] = torch.randn(H, I, generator=g).div_(I**0.5)
 
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         list(pool.map(fill, range(E)))
