@@ -12,11 +12,15 @@ memory read bandwidth, and peak RSS against the weight bytes.
   python benchmarks/bench_layer.py --shape Q --formats bf16,fp8,int4 --skip torch   # quantized experts
   python benchmarks/bench_layer.py --shape Q --phases   # also ours' time per engine phase (forward.gate_up, ...)
   python benchmarks/bench_layer.py --shape Q --T 2048 --rounds 3   # every step timed in turn, three times over
+  python benchmarks/bench_layer.py --shape DS --T 4096 --formats bf16,bf16+copy   # with KT_SFT_BACKWARD_COPY=1 too
 
 With --rounds N, ours, the peer and the PyTorch loop (every format) are timed one after another N times, and each
 ratio is printed per round and as the median over rounds besides the ratio of the medians: a slow spell of a shared
 machine then reaches both sides of a ratio within its round. All of them are built before the first round, so the
 peer's copy of the weights is held beside ours (neither's threads take CPU time while the other's run).
+
+The format `bf16+copy` is the BF16 layer trained with the backward copy (KT_SFT_BACKWARD_COPY=1: the weights
+packed once more for the backward, twice the RAM); it is compared with ours and the peer's BF16.
 
 With several --formats, each is measured for ours and for the peer's method of that format (AMXBF16_SFT,
 AMXFP8_SFT, RAWINT4_SFT; the peer's INT4 runs LoRA rank 8 only), and decode bandwidth counts each format's
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -137,7 +142,7 @@ def make_inputs(T, H, E, K, seed=1):
 
 
 def quantized(fmt, gu, dn):
-    return None if fmt == "bf16" else QuantizedExperts.quantize(fmt, gu, dn)
+    return None if fmt.startswith("bf16") else QuantizedExperts.quantize(fmt, gu, dn)
 
 
 def experts_module(gu, dn, q) -> kt_sft.KTExperts:
@@ -173,6 +178,21 @@ def ours_step(m, x, idx, w, r):
         xg.grad = wg.grad = None
 
     return fwd, bwd, drop_grads
+
+
+def with_backward_copy(step):
+    """A training step whose backward runs with KT_SFT_BACKWARD_COPY=1 (read at every backward; the module keeps
+    its copy while it runs, and the other modules' backwards run without)."""
+    fwd, bwd, drop = step
+
+    def bwd_copy():
+        os.environ["KT_SFT_BACKWARD_COPY"] = "1"
+        try:
+            bwd()
+        finally:
+            os.environ["KT_SFT_BACKWARD_COPY"] = "0"
+
+    return fwd, bwd_copy, drop
 
 
 def ours_extras(m, step, x, idx, w, reps, phases=False):
@@ -250,7 +270,9 @@ def rss(key="VmHWM"):
             return int(line.split()[1]) * 1024
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak count after the imports
 base = rss("VmRSS")
-if "{fmt}" == "bf16":
+import os
+os.environ["KT_SFT_BACKWARD_COPY"] = "1" if "{fmt}" == "bf16+copy" else "0"
+if "{fmt}".startswith("bf16"):
     m = kt_sft.KTExperts(torch.empty({E}, {2 * I}, {H}, dtype=torch.bfloat16).normal_(),
                          torch.empty({E}, {H}, {I}, dtype=torch.bfloat16).normal_())
 else:  # random codes filled in place (no temporaries); 0..126 avoids the FP8 NaN codes
@@ -267,7 +289,7 @@ x = torch.randn({T}, {H}, dtype=torch.bfloat16, requires_grad=True)
 idx = torch.stack([torch.randperm({E})[:{K}] for _ in range({T})])
 w = torch.rand({T}, {K}, requires_grad=True)
 m(x, idx, w).backward(torch.randn({T}, {H}, dtype=torch.bfloat16))
-print(base, held, rss(), kt_sft.capabilities()["scratch_bytes"], wbytes if "{fmt}" != "bf16" else {E * 3 * H * I * 2})
+print(base, held, rss(), kt_sft.capabilities()["scratch_bytes"], {E * 3 * H * I * 2} if "{fmt}".startswith("bf16") else wbytes)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     base, held, peak, scratch, wbytes = map(int, out)
@@ -310,6 +332,9 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
         q = quantized(fmt, gu, dn)
         modules[fmt] = (experts_module(gu, dn, q), q)
         steps[f"ours {fmt}"] = ours_step(modules[fmt][0], x, idx, w, r)
+        if fmt == "bf16+copy":
+            steps[f"ours {fmt}"] = with_backward_copy(steps[f"ours {fmt}"])
+            continue  # the peer's BF16 is measured under bf16
         if "peer" not in skip:
             peer_r = 8 if fmt == "int4" else r  # the peer's RAWINT4 SFT takes rank 8 only
             step, res["peer_status"][fmt] = peer_step(gu, dn, q, x, idx, w, peer_r, threads, fmt)
@@ -328,7 +353,7 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
             res[kind][fmt] = times
     for fmt, (m, q) in modules.items():
         res["ours"][fmt].update(ours_extras(m, steps[f"ours {fmt}"], x, idx, w, reps, phases))
-        if "decode" not in skip:
+        if "decode" not in skip and fmt != "bf16+copy":  # inference reads no copy
             xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
             md = experts_module(gu, dn, q)
             md.add_lora(r, 2 * r)
@@ -394,7 +419,7 @@ def report(res, flop):
     per_round = {name: [f + b for f, b in times] for name, times in res.get("rounds", {}).items()}
     for f in res["ours"]:
         base = total[f"ours {f}"]
-        for other in (f"peer {f}", "torch bf16", "ours bf16"):
+        for other in (f"peer {f.split('+')[0]}", "torch bf16", "ours bf16"):
             if other in total and other != f"ours {f}":
                 line = f"ours {f} vs {other} (fwd+bwd): {total[other] / base:.2f}x faster"
                 if len(per_round.get(other, [])) > 1:

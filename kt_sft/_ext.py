@@ -8,6 +8,8 @@ Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_PROFILE  N > 0: models loaded through `kt-sft prepare` print a step profile every N training forwards
   KT_SFT_RECOMPUTE_EXPERTS  1: gradient checkpointing's recompute runs the CPU experts again instead of taking
                   the pass their first forward kept (kt_sft/ops/kept_forward.py; saves host RAM)
+  KT_SFT_BACKWARD_COPY  1: BF16 experts keep a second copy of their weights packed for the backward's products
+                  (twice the experts' RAM, built at the first backward; a faster backward: cookbook/sizing.md)
 """
 from __future__ import annotations
 
@@ -114,6 +116,11 @@ def require_one_process() -> None:
 def recompute_experts() -> bool:
     """KT_SFT_RECOMPUTE_EXPERTS=1: read on every call, so that it can change between runs in one process."""
     return os.environ.get("KT_SFT_RECOMPUTE_EXPERTS") == "1"
+
+
+def backward_copy_wanted() -> bool:
+    """KT_SFT_BACKWARD_COPY=1: read at every backward, so that it can change between runs in one process."""
+    return os.environ.get("KT_SFT_BACKWARD_COPY") == "1"
 
 
 def _configure_from_env() -> None:

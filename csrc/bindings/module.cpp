@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "../kernels/dispatch.h"
+#include "../moe/backward_copy.h"
 #include "../moe/experts.h"
 #include "../moe/runtime.h"
 #include "../moe/sum_squares.h"
@@ -48,6 +49,14 @@ Lora to_lora(int r, float scale, const py::list& mats, float dropout = 0.f, uint
     l.B[p] = to_view(mats[2 * p + 1]);
   }
   return l;
+}
+
+// (gate_up copy, down copy) as views, or none.
+BackwardCopy to_copy(const py::object& o) {
+  if (o.is_none()) return {};
+  auto t = o.cast<py::tuple>();
+  if (t.size() != 2) throw std::invalid_argument("a backward copy is (gate_up copy, down copy).");
+  return BackwardCopy{to_view(t[0]), to_view(t[1])};
 }
 
 // A call in flight: wait() releases the GIL while the engine runs. `keep` holds every tensor view of the
@@ -122,7 +131,8 @@ PYBIND11_MODULE(_C, m) {
       .def("backward",
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
               float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
-              py::object d_down, float dropout, uint32_t seed, bool now, py::list lora_accumulate) {
+              py::object d_down, float dropout, uint32_t seed, bool now, py::list lora_accumulate,
+              py::object backward_copy) {
              if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
              View vx = to_view(x), vd = to_view(dout);
              Lora l = to_lora(r, scale, lora, dropout, seed);
@@ -140,18 +150,29 @@ PYBIND11_MODULE(_C, m) {
              }
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
-             auto ticket = start([=] { self->backward(*saved, vx, vd, l, g); }, now);
+             const BackwardCopy copy = to_copy(backward_copy);
+             auto ticket = start([=] { self->backward(*saved, vx, vd, l, g, copy); }, now);
              return Pending{ticket, nullptr,
-                            py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved))};
+                            py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved),
+                                           backward_copy)};
            },
            py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
            py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
            py::arg("dropout") = 0.f, py::arg("seed") = 0u, py::arg("now") = false,
-           py::arg("lora_accumulate") = py::list())
+           py::arg("lora_accumulate") = py::list(), py::arg("backward_copy") = py::none())
+      .def("pack_backward_copy",
+           [](std::shared_ptr<MoeExperts> self, py::object copy) {
+             const BackwardCopy c = to_copy(copy);
+             if (c.empty()) throw std::invalid_argument("pack_backward_copy takes (gate_up copy, down copy).");
+             // On the pool, after calls in flight (they may read the copy being rewritten).
+             start([&] { pack_backward_copy(*self, c, Runtime::get()); }, true)->wait();
+           },
+           py::arg("copy"))
       .def_property_readonly("E", &MoeExperts::E)
       .def_property_readonly("H", &MoeExperts::H)
       .def_property_readonly("I", &MoeExperts::I);
 
+  m.def("backward_copy_elems", &backward_copy_elems, py::arg("out"), py::arg("in"));
   m.def("configure", [](int threads, bool pin, const std::string& kernels, int tile_min_rows) {
     py::gil_scoped_release nogil;
     Runtime::get().configure(threads, pin, kernels, tile_min_rows);

@@ -367,7 +367,10 @@ void tile_nt(const TileNT<TB>& g) {
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
-  const long np = kt::tile_rows(g.N);
+  // With the weights' B operand packed ahead (g.packed), block columns go in pairs to the end, as that copy
+  // stores them: the panel of the other segments then has the same order, and tiles past N are not put.
+  const bool prepacked = g.packed[0] != nullptr;
+  const long np = prepacked ? (g.N + TC - 1) / TC * TC : kt::tile_rows(g.N);
   // Reduction segments in panel order: source 0 is (a, b), 1 `second`, 2 and 3 `f32`.
   struct Segment {
     int source, K, kc0, blocks;
@@ -389,6 +392,11 @@ void tile_nn(const TileNN<TB>& g) {
     int s = 0;
     while (kc >= seg[s].kc0 + seg[s].blocks) ++s;
     return seg[s];
+  };
+  // Tile (j, kc) of a segment whose B operand was packed ahead (null for the others).
+  auto packed_tile = [&](const Segment& s, int j, int kc) -> const bf16* {
+    if (s.source > 1 || !g.packed[s.source]) return nullptr;
+    return g.packed[s.source] + (long(j) * g.packed_blocks + (kc - s.kc0)) * TBLK;
   };
   const int CH = int(std::min<long>(KC, std::max<long>(1, kt::kPanelBytes / (np * TBYTES))));
   int c0 = 0, ch = CH;  // the chunk being reduced: reduction blocks [c0, c0 + ch), panel slots [0, ch)
@@ -412,7 +420,7 @@ void tile_nn(const TileNN<TB>& g) {
   // Rows k, k + 1 (32 columns each, w0 and w1) into their tile rows of the two block columns at dst; the second
   // only where the panel has it (more than 16 columns left).
   auto store_pair = [&](bf16* dst, __m512i w0, __m512i w1, long left) {
-    if (left > TR) {  // both block columns: unpacked (tile_blocks puts the results back in order)
+    if (left > TR || prepacked) {  // both block columns: unpacked (tile_blocks puts the results back in order)
       __m512i lo, hi;
       unpack_pair(w0, w1, lo, hi);
       _mm512_storeu_si512(dst, lo);
@@ -465,10 +473,17 @@ void tile_nn(const TileNN<TB>& g) {
                 k + 1 < K ? row_bf16(b, k + 1, g.b_off, g.N, decoded.data() + np, scale) : nullptr);
     }
   };
-  // Reduction block c0 + kc of every block column at once, when the first block column asks for it.
+  // Reduction block c0 + kc of every block column at once, when the first block column asks for it. A segment
+  // packed ahead has nothing to pack: block column j's tile two reduction blocks on (the tiles of a block column
+  // lie in a row, 1 KB each) is requested into L2 as the first block row reaches this one.
   auto make_b = [&](int j, int kc) {
-    if (j != 0) return;
     const Segment& s = segment_of(c0 + kc);
+    if (packed_tile(s, j, c0 + kc)) {
+      if (c0 + kc + 2 < s.kc0 + s.blocks)
+        for (int l = 0; l < TR; ++l) request_line(packed_tile(s, j, c0 + kc + 2) + l * TC);
+      return;
+    }
+    if (j != 0) return;
     const long k0 = long(c0 + kc - s.kc0) * TC;
     if (s.source == 0)
       pack_weights(g.b, g.K, kc, k0, 1.f);
@@ -495,8 +510,13 @@ void tile_nn(const TileNN<TB>& g) {
           const Segment& s = segment_of(c0 + kc);
           return s.a + long(i) * TR * s.ld + long(c0 + kc - s.kc0) * TC;
         },
-        [&](int j, int kc) { return panel.data() + long(j) * cs + long(kc) * TBLK; }, make_b, ahead,
+        [&](int j, int kc) {
+          const bf16* ahead_of_call = packed_tile(segment_of(c0 + kc), j, c0 + kc);
+          return ahead_of_call ? ahead_of_call : panel.data() + long(j) * cs + long(kc) * TBLK;
+        },
+        make_b, ahead,
         [&](int i, int j, const float* t) {
+          if (j * TR >= g.N) return;
           put_tile(t, false, i * TR, std::min(TR, g.M - i * TR), j * TR, std::min(TR, g.N - j * TR), g.c, g.ldc,
                    g.accumulate || c0 > 0, g.alpha, g.stream && CH == KC);
         },

@@ -6,6 +6,7 @@
 #include <string>
 #include <type_traits>
 
+#include "backward_copy.h"
 #include "runtime.h"
 
 namespace kt {
@@ -764,7 +765,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
 namespace kt {
 
-void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, const Lora& lora, const Grads& gr) const {
+void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, const Lora& lora, const Grads& gr,
+                          const BackwardCopy& copy) const {
   Runtime& rt = Runtime::get();
   const KernelSet& ks = rt.kernels();
   const int T = sv.T, K = sv.K, r = lora.r;
@@ -787,6 +789,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                                 " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
+  if (!copy.empty()) check_backward_copy(*this, copy);
+  // An axpy-form tile product's weight segments packed ahead: projection p's (and `second`'s) from column col0.
+  auto packed_from = [&](auto& g, int e, int p, int second, long col0) {
+    if (copy.empty()) return;
+    g.packed[0] = backward_copy_at(*this, copy, e, p, col0);
+    if (second >= 0) g.packed[1] = backward_copy_at(*this, copy, e, second, col0);
+    g.packed_blocks = ceil_div(p == DOWN ? H : I, 32);
+  };
   Phases phase(rt);
   phase("backward.inputs");
   // LoRA grads of experts that got no token are zeros, or get nothing added (the others are written below).
@@ -901,10 +911,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     const int ib = int(std::min<long>(width, I - i0));
     float* c = P + sv.offset[e] * I + i0;
     with_rows(e, DOWN, 0, [&](const auto& rows) {
-      if (tp.on(e))
-        run_tile(*tp.tk, tile_nn(n, ib, int(H), tp.at_nn(DT, e, H), rows, i0, c, I, false,
-                                 next_it >= 0 ? panel_of(next_it, DOWN, I, H, 2) : Upcoming{}));
-      else
+      if (tp.on(e)) {
+        auto g = tile_nn(n, ib, int(H), tp.at_nn(DT, e, H), rows, i0, c, I, false,
+                         next_it >= 0 ? panel_of(next_it, DOWN, I, H, 2) : Upcoming{});
+        packed_from(g, e, DOWN, -1, i0);
+        run_tile(*tp.tk, g);
+      } else
         run_nn(ks, weight_nn(n, ib, int(H), gathered(drows, sv, e), rows, i0, c, I, false));
     });
     if (lora_on[DOWN]) lora_in_grad_of(DOWN, e, I, i0, ib, c, I, ith);
@@ -985,6 +997,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
             auto g = tile_nn(n, hb, int(I), tp.at_nn(GT, e, I), gate, h0, c, H, false, next);
             g.second = {tp.at_nn(UT, e, I), up, int(I)};
             g.stream = true;  // dx_sum reads the slot rows (N·H floats) after they have left the cache
+            packed_from(g, e, GATE, UP, h0);
             for (int p = GATE; p <= UP; ++p)
               if (lora_on[p]) g.f32[p] = {rk.rank_nn_at(WT[p], e), lora_a(lora, p, e, H), r, s};
             run_tile(*tp.tk, g);
@@ -1001,9 +1014,11 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                             : next_it >= 0 ? panel_of(next_it, GATE, H, I, 2)
                                            : Upcoming{};
       with_rows(e, p, 0, [&](const auto& rows) {
-        if (tp.on(e))
-          run_tile(*tp.tk, tile_nn(n, hb, int(I), tp.at_nn(dgu_t[p], e, I), rows, h0, c, H, p == UP, next));
-        else
+        if (tp.on(e)) {
+          auto g = tile_nn(n, hb, int(I), tp.at_nn(dgu_t[p], e, I), rows, h0, c, H, p == UP, next);
+          packed_from(g, e, p, -1, h0);
+          run_tile(*tp.tk, g);
+        } else
           run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
       });
       if (lora_on[p]) lora_in_grad_of(p, e, H, h0, hb, c, H, ith);

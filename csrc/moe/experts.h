@@ -57,6 +57,12 @@ struct Grads {
   View d_gate_up, d_down;
 };
 
+// The weights packed once more for the backward's products (backward_copy.h), or none (both absent).
+struct BackwardCopy {
+  View gate_up, down;
+  bool empty() const { return gate_up.empty(); }
+};
+
 // What forward keeps for backward (one layer, one step): routing, g and u, and the LoRA rank
 // projections. Nothing here aliases the shared scratch.
 struct Saved {
@@ -75,13 +81,16 @@ class MoeExperts {
   Format format() const { return format_; }
   int H() const { return H_; }
   int I() const { return I_; }
+  const ExpertWeights& weights() const { return w_; }
 
   // x [T, H] float32|bfloat16, idx [T, K] int64, w [T, K] float32, out [T, H] same dtype as x.
   // With save, returns what backward needs; without (inference), returns null and keeps nothing.
   std::shared_ptr<Saved> forward(const View& x, const View& idx, const View& w, const View& out, const Lora& lora,
                                  bool save) const;
   // dout [T, H] same dtype as x.
-  void backward(const Saved& saved, const View& x, const View& dout, const Lora& lora, const Grads& grads) const;
+  // copy: BF16 weights only; checked against these experts' shapes.
+  void backward(const Saved& saved, const View& x, const View& dout, const Lora& lora, const Grads& grads,
+                const BackwardCopy& copy = {}) const;
 
   // Scratch floats a call with these sizes uses (the formula of the README's workspace section).
   static size_t scratch_floats(long T, long K, long E, long H, long I, long r, int threads);

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._ext import _C, require_settings, view
+from .._ext import _C, backward_copy_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
@@ -38,6 +38,12 @@ def _count_step(optimizer, args, kwargs):
     _optimizer_steps[0] += 1
 
 
+def count_optimizer_steps() -> None:
+    """Installs the step counter (once per process)."""
+    if not _step_hook:
+        _step_hook.append(register_optimizer_step_post_hook(_count_step))
+
+
 class ExpertWeight(nn.Parameter):
     """A BF16 expert weight the engine reads in place. A trainer's upcast of trainable parameters
     (`p.data = p.data.float()`: LLaMA-Factory's full fine-tuning unless pure_bf16) gives a trainable one a float32
@@ -49,11 +55,12 @@ class ExpertWeight(nn.Parameter):
 
     @property
     def data(self):
-        # A master's `.data` shares the parameter's version counter, so that writes through it (`p.data.copy_`,
-        # optimizers and weight averaging that work on `.data`) reach the engine at the next forward like the
-        # optimizer's own. The engine's autograd function saves no weights for backward, so no version check
-        # of autograd's trips over it.
-        return self.detach() if "_working" in self.__dict__ else super().data
+        # `.data` shares the parameter's version counter, so that writes through it (`p.data.copy_`, optimizers
+        # and weight averaging that work on `.data`) are seen like the optimizer's own: by a master's sync to
+        # the engine's weights at the next forward, and by what was derived from the weights (a kept forward, the
+        # backward copy). The engine's autograd function saves no weights for backward, so no version check of
+        # autograd's trips over it.
+        return self.detach()
 
     @data.setter
     def data(self, value):
@@ -61,8 +68,7 @@ class ExpertWeight(nn.Parameter):
             raise ValueError(f"an expert weight of shape {tuple(self.shape)} cannot take a value of shape "
                              f"{tuple(value.shape)}; copy values of its own shape into it.")
         if value.dtype == torch.float32 and self.dtype == torch.bfloat16 and self.requires_grad:
-            if not _step_hook:
-                _step_hook.append(register_optimizer_step_post_hook(_count_step))
+            count_optimizer_steps()
             self.__dict__["_working"] = super().data  # the engine's BF16 weights, from now on rounded from the master
             self.__dict__["_synced"] = None
             torch._C.TensorBase.data.__set__(self, value.detach().to("cpu").contiguous())
@@ -176,6 +182,31 @@ class KTExperts(LoadsInPlace, nn.Module):
             for weight in (self.gate_up_proj, self.down_proj):
                 if isinstance(weight, ExpertWeight):
                     weight.sync()
+
+    def backward_copy(self) -> tuple | None:
+        """Views of the weights packed for the backward (KT_SFT_BACKWARD_COPY=1; BF16 experts), packed again when
+        the weights changed since (an optimizer step in full mode, a merge, a load), or None when it is off."""
+        if not backward_copy_wanted():
+            self.__dict__.pop("_backward_copy", None)  # its RAM back
+            return None
+        if self.expert_format != "bf16":
+            raise ValueError(f"KT_SFT_BACKWARD_COPY=1 keeps a BF16 copy of BF16 experts, but these are "
+                             f"{self.expert_format.upper()} (the copy would take more RAM than the weights); unset it.")
+        weights = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
+        trained = self.gate_up_proj.requires_grad or self.down_proj.requires_grad
+        if trained:
+            count_optimizer_steps()  # a fused optimizer's step bumps no version counter
+        state = tuple((t.data_ptr(), t._version) for t in (*weights, self.gate_up_proj, self.down_proj)), (
+            _optimizer_steps[0] if trained else 0)
+        kept = self.__dict__.get("_backward_copy")
+        if kept is None or kept[0] != state:
+            E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+            copy = kept[1] if kept is not None else (
+                torch.empty(E, 2, _C.backward_copy_elems(I, H), dtype=torch.bfloat16),
+                torch.empty(E, _C.backward_copy_elems(H, I), dtype=torch.bfloat16))
+            self.engine.pack_backward_copy(tuple(view(t) for t in copy))
+            self.__dict__["_backward_copy"] = state, copy
+        return tuple(view(t) for t in self.__dict__["_backward_copy"][1])
 
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 weights, or the
