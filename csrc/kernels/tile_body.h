@@ -475,7 +475,10 @@ void tile_nn(const TileNN<TB>& g) {
   };
   // Reduction block c0 + kc of every block column at once, when the first block column asks for it. A segment
   // packed ahead has nothing to pack: block column j's tile two reduction blocks on (the tiles of a block column
-  // lie in a row, 1 KB each) is requested into L2 as the first block row reaches this one.
+  // lie in a row, 1 KB each) is requested into L2 as the first block row reaches this one. On the GPU machine two
+  // blocks on ran the DeepSeek-V3 layer's backward as fast as four or six and faster than none, and requesting every
+  // block column's tiles when the first block column reaches a block (as the packing reads its rows) was slower
+  // (BENCHMARKS.md, fourth session of 2026-12-05).
   auto make_b = [&](int j, int kc) {
     const Segment& s = segment_of(c0 + kc);
     if (packed_tile(s, j, c0 + kc)) {
