@@ -196,6 +196,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         trained = self.gate_up_proj.requires_grad or self.down_proj.requires_grad
         if trained:
             count_optimizer_steps()  # a fused optimizer's step bumps no version counter
+            warnings.warn("kt_sft: KT_SFT_BACKWARD_COPY=1 with trained expert weights (full-parameter training) packs "
+                          "the copy again after every optimizer step, which costs more time than the copy saves; "
+                          "unset it for full-parameter training.", RuntimeWarning, stacklevel=2)
         state = tuple((t.data_ptr(), t._version) for t in (*weights, self.gate_up_proj, self.down_proj)), (
             _optimizer_steps[0] if trained else 0)
         kept = self.__dict__.get("_backward_copy")
