@@ -23,8 +23,9 @@ from .._ext import _C, backward_copy_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
+from ..ops import host_memory
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
-                                room_to_keep, setting_of)
+                                reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -32,6 +33,8 @@ from ..ops.reference import PROJECTIONS, lora_scale
 # master): a fused optimizer updates parameters without bumping their version counters.
 _optimizer_steps = [0]
 _step_hook = []
+# Set once the backward copy was refused for want of host RAM (warned once per process).
+_short_of_copy_room = []
 
 
 def _count_step(optimizer, args, kwargs):
@@ -202,6 +205,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         state = tuple((t.data_ptr(), t._version) for t in (*weights, self.gate_up_proj, self.down_proj)), (
             _optimizer_steps[0] if trained else 0)
         kept = self.__dict__.get("_backward_copy")
+        if kept is None and not self._room_for_backward_copy():
+            return None
         if kept is None or kept[0] != state:
             E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
             copy = kept[1] if kept is not None else (
@@ -210,6 +215,22 @@ class KTExperts(LoadsInPlace, nn.Module):
             self.engine.pack_backward_copy(tuple(view(t) for t in copy))
             self.__dict__["_backward_copy"] = state, copy
         return tuple(view(t) for t in self.__dict__["_backward_copy"][1])
+
+    def _room_for_backward_copy(self) -> bool:
+        """Whether this module's copy leaves the host RAM that kept passes leave (kept_forward.reserve_bytes); warns
+        once per process when it does not, and the module trains without it (the same gradients, a slower backward)."""
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        nbytes = 2 * E * (2 * _C.backward_copy_elems(I, H) + _C.backward_copy_elems(H, I))
+        room = host_memory.host_headroom()
+        if room is None or room[0] - nbytes >= reserve_bytes(room[1]):
+            return True
+        if not _short_of_copy_room:
+            _short_of_copy_room.append(True)
+            warnings.warn(f"kt_sft: KT_SFT_BACKWARD_COPY=1, but {room[0] / 2**30:.1f} GiB of host RAM is available and "
+                          f"a layer's backward copy ({nbytes / 2**30:.2f} GiB) would leave less than "
+                          f"{reserve_bytes(room[1]) / 2**30:.1f} GiB; layers without one train without it (the same "
+                          "gradients, a slower backward). Free host RAM, or unset KT_SFT_BACKWARD_COPY.", RuntimeWarning)
+        return False
 
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E,2I,H], down [E,H,I]) as the engine computes with them: the BF16 weights, or the

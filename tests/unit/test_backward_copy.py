@@ -124,3 +124,17 @@ def test_engine_checks_the_copy_shape():
     with pytest.raises(ValueError, match="backward copy of gate_up"):
         m.engine.pack_backward_copy((kt_sft._ext.view(torch.empty(3, dtype=torch.bfloat16)),
                                      kt_sft._ext.view(torch.empty(3, dtype=torch.bfloat16))))
+
+
+def test_no_copy_without_room(monkeypatch):
+    # Short of host RAM the module trains without its copy, with a warning, and the gradients are the same.
+    from kt_sft.nn import experts
+    monkeypatch.setattr(experts.host_memory, "host_headroom", lambda: (1 << 30, 1 << 34))
+    monkeypatch.setattr(experts, "_short_of_copy_room", [])
+    shape = SHAPES[0]
+    m = make_module(shape, lora=True)
+    case = inputs(shape, dtype=torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match="layers without one train without it"):
+        got = run(m, case, True, monkeypatch)
+    assert "_backward_copy" not in m.__dict__
+    assert_same(got, run(m, case, False, monkeypatch))
