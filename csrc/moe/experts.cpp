@@ -790,7 +790,8 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
   if (!copy.empty()) check_backward_copy(*this, copy);
-  // An axpy-form tile product's weight segments packed ahead: projection p's (and `second`'s) from column col0.
+  // An axpy-form tile product's weight segments packed ahead: projection p's (and `second`'s) from column col0,
+  // which is a multiple of 32 (items start at multiples of nn_width, 256 or more, on tiles).
   auto packed_from = [&](auto& g, int e, int p, int second, long col0) {
     if (copy.empty()) return;
     g.packed[0] = backward_copy_at(*this, copy, e, p, col0);

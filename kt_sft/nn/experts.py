@@ -21,9 +21,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .._ext import _C, backward_copy_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
-from ..ops import grad_clip
+from ..ops import grad_clip, host_memory
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
-from ..ops import host_memory
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -208,19 +207,21 @@ class KTExperts(LoadsInPlace, nn.Module):
         if kept is None and not self._room_for_backward_copy():
             return None
         if kept is None or kept[0] != state:
-            E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-            copy = kept[1] if kept is not None else (
-                torch.empty(E, 2, _C.backward_copy_elems(I, H), dtype=torch.bfloat16),
-                torch.empty(E, _C.backward_copy_elems(H, I), dtype=torch.bfloat16))
+            copy = kept[1] if kept is not None else tuple(torch.empty(s, dtype=torch.bfloat16)
+                                                           for s in self._backward_copy_shapes())
             self.engine.pack_backward_copy(tuple(view(t) for t in copy))
             self.__dict__["_backward_copy"] = state, copy
         return tuple(view(t) for t in self.__dict__["_backward_copy"][1])
 
+    def _backward_copy_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The copy's gate_up and down tensors (csrc/moe/backward_copy.h)."""
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        return (E, 2, _C.backward_copy_elems(I, H)), (E, _C.backward_copy_elems(H, I))
+
     def _room_for_backward_copy(self) -> bool:
         """Whether this module's copy leaves the host RAM that kept passes leave (kept_forward.reserve_bytes); warns
         once per process when it does not, and the module trains without it (the same gradients, a slower backward)."""
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        nbytes = 2 * E * (2 * _C.backward_copy_elems(I, H) + _C.backward_copy_elems(H, I))
+        nbytes = sum(2 * math.prod(s) for s in self._backward_copy_shapes())
         room = host_memory.host_headroom()
         if room is None or room[0] - nbytes >= reserve_bytes(room[1]):
             return True
