@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors import safe_open
 
+import kt_sft
 from kt_sft.models import use_cpu_experts
 from kt_sft.ops.reference import ReferenceExperts
 from kt_sft.peft.layer import KTExpertsLinear
@@ -232,3 +233,45 @@ def test_lora_on_trainable_expert_base_weights_is_refused():
             m.gate_up_proj.requires_grad_(True)
     with pytest.raises(ValueError, match=r"call model.requires_grad_\(False\) before get_peft_model"):
         kt(**batch(0))
+
+
+@pytest.mark.parametrize("kernels", ["amx", "avx512_bf16"])
+def test_backward_copy_trains_the_same(kernels, monkeypatch):
+    # A BF16 model through PEFT (the weights under base_layer), every expert on tiles: LoRA training with the
+    # backward copy takes bit-identical steps, and PEFT's merge (weights changed in place) repacks the copy.
+    caps = kt_sft.capabilities()
+    if kernels not in caps["runnable_kernels"]:
+        pytest.skip(f"this CPU cannot run the {kernels} kernels ({caps['tiles']})")
+    kt_sft.configure(kernels=kernels, tile_min_rows=1)
+    try:
+        runs = []
+        for copy_on in ("0", "1"):
+            monkeypatch.setenv("KT_SFT_BACKWARD_COPY", copy_on)
+            model = tiny_model("qwen3_moe").to(torch.bfloat16)
+            use_cpu_experts(model)
+            model.requires_grad_(False)
+            torch.manual_seed(1)
+            model = get_peft_model(model, LoraConfig(**LORA)).train()
+            opt = torch.optim.AdamW(lora_tensors(model).values(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                opt.zero_grad()
+                loss = model(**batch(step)).loss
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            # Merged and unmerged: the BF16 weights come back only to within a rounding, so a stale copy would show.
+            model.merge_adapter()
+            model.unmerge_adapter()
+            opt.zero_grad()
+            loss = model(**batch(3)).loss
+            loss.backward()
+            losses.append(loss.item())
+            experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+            assert all(("_backward_copy" in m.__dict__) == (copy_on == "1") for m in experts)
+            runs.append((losses, {n: t.grad.clone() for n, t in lora_tensors(model).items()}))
+        assert runs[0][0] == runs[1][0]
+        for name, t in runs[0][1].items():
+            assert torch.equal(t, runs[1][1][name]), name
+    finally:
+        kt_sft.configure(kernels="", tile_min_rows=0)
