@@ -113,17 +113,27 @@ def require_one_process() -> None:
                          "already live in CPU RAM).")
 
 
+def _switch(name: str) -> bool:
+    """An on/off environment variable: 1 on; 0 or unset (or empty) off; anything else refused, not taken for off."""
+    value = os.environ.get(name, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r} is neither 0 nor 1; set it to 1 to turn it on, or 0 (or unset it) for off.")
+    return value == "1"
+
+
 def recompute_experts() -> bool:
     """KT_SFT_RECOMPUTE_EXPERTS=1: read on every call, so that it can change between runs in one process."""
-    return os.environ.get("KT_SFT_RECOMPUTE_EXPERTS") == "1"
+    return _switch("KT_SFT_RECOMPUTE_EXPERTS")
 
 
 def backward_copy_wanted() -> bool:
     """KT_SFT_BACKWARD_COPY=1: read at every backward, so that it can change between runs in one process."""
-    return os.environ.get("KT_SFT_BACKWARD_COPY") == "1"
+    return _switch("KT_SFT_BACKWARD_COPY")
 
 
 def _configure_from_env() -> None:
+    recompute_experts()  # the switches read at every call, checked here too: refused before any training runs
+    backward_copy_wanted()
     threads = os.environ.get("KT_SFT_THREADS")
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")
@@ -137,7 +147,7 @@ def _configure_from_env() -> None:
             raise RuntimeError(f"KT_SFT_KERNELS={kernels!r}: {e}") from None
 
 
-# A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN: raised by the first experts module (require_settings) and
+# A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN (or on/off switch): raised by the first experts module (require_settings) and
 # reported by `kt-sft doctor`, not at import, where it took every command of the CLI down with a traceback.
 settings_error: Exception | None = None
 try:
