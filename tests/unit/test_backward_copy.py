@@ -6,20 +6,9 @@ import contextlib
 import pytest
 import torch
 
-import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine
-from test_experts_parity import RUNNABLE, SHAPES, TILE_KERNELS
-
-
-@pytest.fixture(params=[(k, rows) for k in TILE_KERNELS for rows in (1, 8)],
-                ids=lambda p: f"{p[0]}-min_rows_{p[1]}")
-def tiles(request):
-    name, rows = request.param
-    if name not in RUNNABLE:
-        pytest.skip(f"this CPU cannot run the {name} kernels ({kt_sft.capabilities()['tiles']})")
-    kt_sft.configure(kernels=name, tile_min_rows=rows)
-    yield name
-    kt_sft.configure(kernels="", tile_min_rows=0)
+from kt_sft._ext import view
+from test_experts_parity import SHAPES, tiles  # noqa: F401 (tiles: the tile kernel sets, a fixture)
 
 
 def run(m, case, copy: bool, monkeypatch):
@@ -122,8 +111,8 @@ def test_quantized_experts_refuse_the_copy(fmt, monkeypatch):
 def test_engine_checks_the_copy_shape():
     m = make_module(SHAPES[0], lora=False)
     with pytest.raises(ValueError, match="backward copy of gate_up"):
-        m.engine.pack_backward_copy((kt_sft._ext.view(torch.empty(3, dtype=torch.bfloat16)),
-                                     kt_sft._ext.view(torch.empty(3, dtype=torch.bfloat16))))
+        m.engine.pack_backward_copy((view(torch.empty(3, dtype=torch.bfloat16)),
+                                     view(torch.empty(3, dtype=torch.bfloat16))))
 
 
 def test_no_copy_without_room(monkeypatch):
