@@ -208,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
       tiles = "available (kernel set amx), not in use";
     }
     d["tiles"] = tiles;
+    d["tiles_in_use"] = ks && ks->tiles;  // the kernel set has tile products (BF16 activations take them)
     d["tile_min_rows"] = rt.tile_min_rows();
     d["threads"] = rt.threads();
     d["pinned"] = rt.pool().pinned();

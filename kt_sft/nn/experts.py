@@ -32,8 +32,9 @@ from ..ops.reference import PROJECTIONS, lora_scale
 # master): a fused optimizer updates parameters without bumping their version counters.
 _optimizer_steps = [0]
 _step_hook = []
-# Set once the backward copy was refused for want of host RAM (warned once per process).
+# Set once the backward copy was refused for want of host RAM, or found unread (each warned once per process).
 _short_of_copy_room = []
+_copy_unread = []
 
 
 def _count_step(optimizer, args, kwargs):
@@ -185,15 +186,25 @@ class KTExperts(LoadsInPlace, nn.Module):
                 if isinstance(weight, ExpertWeight):
                     weight.sync()
 
-    def backward_copy(self) -> tuple | None:
+    def backward_copy(self, activations: torch.dtype) -> tuple | None:
         """Views of the weights packed for the backward (KT_SFT_BACKWARD_COPY=1; BF16 experts), packed again when
-        the weights changed since (an optimizer step in full mode, a merge, a load), or None when it is off."""
+        the weights changed since (an optimizer step in full mode, a merge, a load), or None when it is off or
+        would not be read: only the tile products read it, which take BF16 activations on a kernel set with them."""
         if not backward_copy_wanted():
             self.__dict__.pop("_backward_copy", None)  # its RAM back
             return None
         if self.expert_format != "bf16":
             raise ValueError(f"KT_SFT_BACKWARD_COPY=1 keeps a BF16 copy of BF16 experts, but these are "
                              f"{self.expert_format.upper()} (the copy would take more RAM than the weights); unset it.")
+        caps = _C.capabilities()
+        if activations != torch.bfloat16 or not caps["tiles_in_use"]:
+            if not _copy_unread:
+                _copy_unread.append(True)
+                why = (f"the kernel set {caps['kernels']} has no tile products" if not caps["tiles_in_use"] else
+                       f"the experts get {activations} activations, which take no tile products (a BF16 model's do)")
+                warnings.warn(f"kt_sft: KT_SFT_BACKWARD_COPY=1 has no effect here: {why}, the only ones that read the "
+                              "copy, so none is kept; unset it.", RuntimeWarning, stacklevel=2)
+            return None
         weights = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
         trained = self.gate_up_proj.requires_grad or self.down_proj.requires_grad
         if trained:

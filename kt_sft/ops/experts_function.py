@@ -244,7 +244,7 @@ class EngineResult(torch.autograd.Function):
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
-            now=not concurrent, lora_accumulate=accumulate, backward_copy=module.backward_copy(),
+            now=not concurrent, lora_accumulate=accumulate, backward_copy=module.backward_copy(xc.dtype),
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
         call.running = Running(pending, "backward", t0)
         call.grads = dx, dw, lora_grads, direct, base_out

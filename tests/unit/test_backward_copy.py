@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from experts_case import Shape, inputs, make_module, run_engine
+import kt_sft
 from kt_sft._ext import view
-from test_experts_parity import SHAPES, tiles  # noqa: F401 (tiles: the tile kernel sets, a fixture)
+from test_experts_parity import RUNNABLE, SHAPES, tiles  # noqa: F401 (tiles: the tile kernel sets, a fixture)
 
 
 def run(m, case, copy: bool, monkeypatch):
@@ -89,7 +90,7 @@ def test_full_mode_repacks_after_each_step(tiles, monkeypatch):
         assert_same(got, want)
 
 
-def test_copy_is_dropped_when_turned_off(monkeypatch):
+def test_copy_is_dropped_when_turned_off(tiles, monkeypatch):
     shape = SHAPES[0]
     m = make_module(shape, lora=True)
     case = inputs(shape, dtype=torch.bfloat16)
@@ -115,7 +116,7 @@ def test_engine_checks_the_copy_shape():
                                      view(torch.empty(3, dtype=torch.bfloat16))))
 
 
-def test_no_copy_without_room(monkeypatch):
+def test_no_copy_without_room(tiles, monkeypatch):
     # Short of host RAM the module trains without its copy, with a warning, and the gradients are the same.
     from kt_sft.nn import experts
     monkeypatch.setattr(experts.host_memory, "host_headroom", lambda: (1 << 30, 1 << 34))
@@ -127,3 +128,20 @@ def test_no_copy_without_room(monkeypatch):
         got = run(m, case, True, monkeypatch)
     assert "_backward_copy" not in m.__dict__
     assert_same(got, run(m, case, False, monkeypatch))
+
+
+@pytest.mark.parametrize("why", ["float32 activations", "kernel set without tiles"])
+def test_no_copy_where_nothing_reads_it(why, monkeypatch):
+    from kt_sft.nn import experts
+    monkeypatch.setattr(experts, "_copy_unread", [])
+    shape = SHAPES[0]
+    m = make_module(shape, lora=True)
+    case = inputs(shape, dtype=torch.float32 if why == "float32 activations" else torch.bfloat16)
+    if why != "float32 activations":
+        kt_sft.set_kernels("avx512" if "avx512" in RUNNABLE else "avx2")
+    try:
+        with pytest.warns(RuntimeWarning, match="KT_SFT_BACKWARD_COPY=1 has no effect here"):
+            run(m, case, True, monkeypatch)
+    finally:
+        kt_sft.set_kernels(None)
+    assert "_backward_copy" not in m.__dict__
