@@ -212,8 +212,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             warnings.warn("kt_sft: KT_SFT_BACKWARD_COPY=1 with trained expert weights (full-parameter training) packs "
                           "the copy again after every optimizer step, which costs more time than the copy saves; "
                           "unset it for full-parameter training.", RuntimeWarning, stacklevel=2)
-        state = tuple((t.data_ptr(), t._version) for t in (*weights, self.gate_up_proj, self.down_proj)), (
-            _optimizer_steps[0] if trained else 0)
+        # What the engine reads (a float32 master reaches it through sync, which bumps these versions).
+        state = tuple((t.data_ptr(), t._version) for t in weights), _optimizer_steps[0] if trained else 0
         kept = self.__dict__.get("_backward_copy")
         if kept is None and not self._room_for_backward_copy():
             return None

@@ -71,12 +71,17 @@ def test_copy_follows_weight_changes(tiles, monkeypatch):
     assert_same(run(m, case, True, monkeypatch), run(merged, case, False, monkeypatch))
 
 
-def test_full_mode_repacks_after_each_step(tiles, monkeypatch):
-    # Base weights trained with a fused optimizer (no version bump): the copy must follow every step.
+@pytest.mark.parametrize("master", [False, True], ids=["bf16_weights", "float32_master"])
+def test_full_mode_repacks_after_each_step(tiles, master, monkeypatch):
+    # Base weights trained with a fused optimizer (no version bump): the copy must follow every step, also where the
+    # optimizer updates a float32 master that reaches the engine's BF16 weights at the next forward.
     shape = SHAPES[0]
     runs = []
     for copy in (True, False):
         m = make_module(shape, lora=False, train_base=True)
+        if master:
+            for p in (m.gate_up_proj, m.down_proj):
+                p.data = p.data.float()
         opt = torch.optim.AdamW([m.gate_up_proj, m.down_proj], lr=1e-2, fused=True)
         case = inputs(shape, dtype=torch.bfloat16)
         grads = []
