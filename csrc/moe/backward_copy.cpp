@@ -1,6 +1,5 @@
 #include "backward_copy.h"
 
-#include <algorithm>
 #include <string>
 
 namespace kt {
