@@ -1,8 +1,9 @@
 // FP8 and INT4 weights in the dot form on vdpbf16ps (experts off the tiles: decode, a few rows), for the sets with
 // AVX-512 BF16 (avx512_bf16, amx) and activations that came in as BF16 (KernelSet::gemm_nt_fp8_act,
 // gemm_nt_int4_act). Both formats' values are exact in BF16 (INT4: −8..7; FP8 e4m3: 3 mantissa bits, and its
-// subnormals are normal BF16 numbers), so a step decodes 64 weights of a row into two BF16 vectors by table lookups
-// and multiplies them in pairs with the activations, which were reordered once per call to meet them; the float32
+// subnormals are normal BF16 numbers, as is INT4's code + 136), so a step decodes a row's weights into BF16 vectors
+// (FP8: 64 into two, by table lookups; INT4: 128 into four, by masks) and multiplies them in pairs with the
+// activations, which were reordered once per call to meet them; the float32
 // forms (gemm_nt_int4_split, gemm_nt_fused) convert 16 codes per step and need two FMAs for what one vdpbf16ps does.
 // x is exact in BF16 already; h = silu(g)·u is rounded as the model's own BF16 dtype would (tests/tolerances.py:
 // BF16_DOT). Included after kernel_body.h by the two sets' files, compiled with -mavx512bf16 (INT4), and by
@@ -14,47 +15,72 @@
 
 namespace {
 
-// INT4: byte b of a row holds codes 2b (low nibble) and 2b + 1 (high). A step's 32 bytes widened to 16-bit lanes:
-// a lookup of the low nibbles gives the even-indexed codes, one of the bytes shifted right by 4 the odd-indexed
-// ones. The lookup reads an index lane's low 5 bits, so the table repeats the 16 values and the high nibble's low
-// bit left in lane bit 4 needs no mask. Float32 lane i of a step's product sums codes 4i .. 4i + 3, so lanes 0-7
-// belong to the step's first group and 8-15 to its second.
+// INT4: 0x4300 | n is the BF16 of 128 + n, so a nibble n is made a BF16 value by a mask and an OR (one ternary-logic
+// instruction, on either vector port) where a table lookup sat on port 5. The decoded value is the code (n − 8)
+// plus kBias = 136, which each product's sums take back off in one vector per step and activation row (bf16_dot's
+// `bias`: −136 × the sum of the BF16 activations that lane meets). The float32 sums then carry magnitudes up to
+// 136/|code| times the exact terms': each term's rounding stays below 136 × 2⁻²⁴ ≈ 8e-6 of its activation, under a
+// four-hundredth of the BF16 rounding the activation itself took (tests/tolerances.py: BF16_DOT).
+// - Steps of 128 weights (one or two activation rows): a step's 64 bytes as 32 words, word j holding codes 4j ..
+//   4j + 3, one per nibble; vector v takes nibble v of every word, nibbles 2 and 3 brought down by byte shuffles
+//   (port 5) so that shifts and vdpbf16ps are not all on port 0. Float32 lane i of the product sums codes 8i ..
+//   8i + 7, so lanes 4g .. 4g + 3 belong to the step's group g.
+// - Steps of 64 (blocks of four rows, where the 128-weight step's registers spilled: 11% slower on Zen 4): a step's
+//   32 bytes widened to words, the low nibbles giving the even-indexed codes and the bytes shifted right by 4 the
+//   odd ones. Lane i sums codes 4i .. 4i + 3: lanes 0-7 are the first group's, 8-15 the second's.
+template <int Step>
 struct Int4Steps {
   using Weights = int4_group;
   using Cursor = Int4Cursor<Simd>;
   // The next block's codes requested into L1: into L2 the dot form ran 10-20% slower from RAM (Zen 4, one and two
   // threads; BENCHMARKS.md).
   static constexpr int kRequestLocality = 3;
-  __m512i table;
-  Int4Steps() {
-    alignas(64) uint16_t t[32];
-    for (int i = 0; i < 32; ++i) t[i] = kt::f32_to_bf16(float((i & 15) - 8));  // exact: no rounding
-    table = _mm512_load_si512(t);
+  static constexpr int kStep = Step;
+  static constexpr float kBias = 136.f;
+  __m512i low4 = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
+  // Each word's high byte moved to its low byte (byte indexes 1, 3, .. 15 of a 128-bit lane), 0x80 zeroing its high.
+  static constexpr uint64_t kLow = 0x8007800580038001, kHigh = 0x800F800D800B8009;
+  __m512i high_byte = _mm512_set_epi64(kHigh, kLow, kHigh, kLow, kHigh, kLow, kHigh, kLow);
+  static constexpr int kMaskOr = 0xEA;  // ternary logic (A & B) | C
+  static int column(int lane) {
+    if constexpr (Step == 128) return 4 * (lane % 32) + lane / 32;
+    return lane < 32 ? 2 * lane : 2 * (lane - 32) + 1;
   }
-  // Per 64 columns the 32 even-indexed values, then the 32 odd-indexed ones.
-  static int column(int lane) { return lane < 32 ? 2 * lane : 2 * (lane - 32) + 1; }
-  void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
-    const char* p = c.codes() + s * 32;
-    const __m256i bytes = _mm256_maskz_loadu_epi8(len == 64 ? ~0u : (1u << (len / 2)) - 1, p);
-    const __m512i w = _mm512_cvtepu8_epi16(bytes);
-    w0 = _mm512_permutexvar_epi16(w, table);
-    w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  void weights(const Cursor& c, long s, int len, __m512i (&w)[Step / 32]) const {
+    if constexpr (Step == 128) {
+      const __m512i z = _mm512_maskz_loadu_epi8(len == 128 ? ~0ull : (1ull << (len / 2)) - 1, c.codes() + s * 64);
+      const __m512i z4 = _mm512_srli_epi16(z, 4);
+      w[0] = _mm512_ternarylogic_epi32(z, low4, magic, kMaskOr);
+      w[1] = _mm512_ternarylogic_epi32(z4, low4, magic, kMaskOr);
+      w[2] = _mm512_ternarylogic_epi32(_mm512_shuffle_epi8(z, high_byte), low4, magic, kMaskOr);
+      w[3] = _mm512_or_si512(_mm512_shuffle_epi8(z4, high_byte), magic);
+    } else {
+      const __m256i bytes = _mm256_maskz_loadu_epi8(len == 64 ? ~0u : (1u << (len / 2)) - 1, c.codes() + s * 32);
+      const __m512i z = _mm512_cvtepu8_epi16(bytes);
+      w[0] = _mm512_ternarylogic_epi32(z, low4, magic, kMaskOr);
+      w[1] = _mm512_or_si512(_mm512_srli_epi16(z, 4), magic);
+    }
   }
   static __m512 scales(const Cursor& c, long s, int len) {
-    // Fixed-size copies: with a run-time size GCC copied through the stack at every step.
-    uint32_t two = 0;
-    if (len > 32)
-      std::memcpy(&two, c.sc + 2 * s, 4);
+    constexpr int kGroups = Step / 32;
+    // Fixed-size copies in the whole steps: with a run-time size GCC copied through the stack at every step. The
+    // groups past a short step's end get scale 0 (their codes and activations are zeros).
+    uint64_t bits = 0;
+    if (len == Step)
+      std::memcpy(&bits, c.sc + kGroups * s, 2 * kGroups);
     else
-      std::memcpy(&two, c.sc + 2 * s, 2);
-    // lanes 0-7: the first group's BF16 scale (bytes 0-1) as the high half of a float32; 8-15: the second's
-    // (bytes 2-3). One byte shuffle within each 128-bit lane (lanes 0-7 are its first two lanes), where a mask and
-    // a masked shift took two: GPU test machine, Layer Q decode, 15 threads, four alternated pairs, INT4 0.355-0.370
-    // of BF16's time against 0.367-0.386 (BENCHMARKS.md).
-    const __m512i place = _mm512_set_epi32(0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0302FFFF,
-                                           0x0302FFFF, 0x0302FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF,
-                                           0x0100FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF);
-    return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi32(int(two)), place));
+      std::memcpy(&bits, c.sc + kGroups * s, size_t(len / 32) * 2);
+    // Group g's BF16 scale (bytes 2g, 2g + 1) as the high half of its float32 lanes: one byte shuffle within each
+    // 128-bit lane.
+    const __m512i place = Step == 128 ? _mm512_set_epi32(0x0706FFFF, 0x0706FFFF, 0x0706FFFF, 0x0706FFFF, 0x0504FFFF,
+                                                         0x0504FFFF, 0x0504FFFF, 0x0504FFFF, 0x0302FFFF, 0x0302FFFF,
+                                                         0x0302FFFF, 0x0302FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF,
+                                                         0x0100FFFF)
+                                      : _mm512_set_epi32(0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0302FFFF,
+                                                         0x0302FFFF, 0x0302FFFF, 0x0302FFFF, 0x0100FFFF, 0x0100FFFF,
+                                                         0x0100FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF, 0x0100FFFF,
+                                                         0x0100FFFF);
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(_mm512_set1_epi64(int64_t(bits)), place));
   }
 };
 
@@ -69,6 +95,8 @@ struct Fp8Steps {
   // The next block's codes requested into L2: FP8 rows read twice INT4's bytes per weight, and requested into L1
   // the dot form read them from RAM at ~13 GB/s per thread against 19-22 into L2 (Zen 4; BENCHMARKS.md).
   static constexpr int kRequestLocality = 2;
+  static constexpr int kStep = 64;
+  static constexpr float kBias = 0.f;
   __m512i hi[2], lo[2];
   Fp8Steps() {
     alignas(64) uint8_t h[128], l[128];
@@ -79,40 +107,67 @@ struct Fp8Steps {
     for (int t = 0; t < 2; ++t) hi[t] = _mm512_load_si512(h + 64 * t), lo[t] = _mm512_load_si512(l + 64 * t);
   }
   static int column(int lane) { return 16 * (lane % 32 / 8) + 8 * (lane / 32) + lane % 8; }
-  void weights(const Cursor& c, long s, int len, __m512i& w0, __m512i& w1) const {
+  void weights(const Cursor& c, long s, int len, __m512i (&w)[2]) const {
     const __m512i codes = _mm512_maskz_loadu_epi8(len == 64 ? ~0ull : (1ull << len) - 1, c.q + s * 64);
     const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi[0], codes, hi[1]), codes,
                                                 _mm512_set1_epi8(char(0x80)), 0xF8);  // h | (codes & 0x80)
     const __m512i l = _mm512_permutex2var_epi8(lo[0], codes, lo[1]);
-    w0 = _mm512_unpacklo_epi8(l, h);
-    w1 = _mm512_unpackhi_epi8(l, h);
+    w[0] = _mm512_unpacklo_epi8(l, h);
+    w[1] = _mm512_unpackhi_epi8(l, h);
   }
   static __m512 scales(const Cursor& c, long s, int) { return _mm512_set1_ps(c.sc[s * 64 / fp8_block::BLOCK]); }
 };
 #endif
 
-// Activation row x (K values) as BF16 in the steps' order (lane i of each 64 columns holds column
-// Codec::column(i); zeros past K).
+// Activation row x (K values) as BF16 in the steps' order (lane i of each step holds column Codec::column(i); zeros
+// past K), and for a codec with kBias the float32 vector per step that takes the bias back off its products: lane l
+// of a product sums words 2l and 2l + 1 of each of the step's vectors, so lane l of `bias` is −kBias × their
+// activations' sum (a vdpbf16ps of each vector with ones).
 template <class Codec>
-void bf16_dot_activations(const float* x, long K, bf16* dst) {
+void bf16_dot_activations(const float* x, long K, bf16* dst, float* bias) {
+  constexpr int V = Codec::kStep / 32;  // BF16 vectors per step
+  // Vector v's word j comes from word column & 63 of source pair column / 64, blended in by a mask.
   static const auto order = [] {
     struct alignas(64) Lanes {
-      int16_t idx[64];
+      int16_t idx[V][32];
+      __mmask32 from[V][V / 2];
     } o;
-    for (int i = 0; i < 64; ++i) o.idx[i] = int16_t(Codec::column(i));
+    for (int v = 0; v < V; ++v) {
+      for (int p = 0; p < V / 2; ++p) o.from[v][p] = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int col = Codec::column(32 * v + j);
+        o.idx[v][j] = int16_t(col & 63);
+        o.from[v][col / 64] |= __mmask32(1u << j);
+      }
+    }
     return o;
   }();
-  for (long k = 0; k < K; k += 64) {
-    const int len = int(std::min<long>(64, K - k));
-    __m512 v[4];
-    for (int q = 0; q < 4; ++q) {
-      const int n = std::max(0, std::min(16, len - 16 * q));
-      v[q] = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + k + 16 * q);
+  for (long k = 0; k < K; k += Codec::kStep) {
+    const int len = int(std::min<long>(Codec::kStep, K - k));
+    __m512i src[V];
+    for (int q = 0; q < V; ++q) {
+      __m512 f[2];
+      for (int h = 0; h < 2; ++h) {
+        const int n = std::max(0, std::min(16, len - 32 * q - 16 * h));
+        f[h] = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), x + k + 32 * q + 16 * h);
+      }
+      const __m512bh b = _mm512_cvtne2ps_pbh(f[1], f[0]);
+      src[q] = reinterpret_cast<const __m512i&>(b);
     }
-    const __m512bh a = _mm512_cvtne2ps_pbh(v[1], v[0]), b = _mm512_cvtne2ps_pbh(v[3], v[2]);
-    const __m512i l = reinterpret_cast<const __m512i&>(a), h = reinterpret_cast<const __m512i&>(b);
-    _mm512_storeu_si512(dst + k, _mm512_permutex2var_epi16(l, _mm512_load_si512(order.idx), h));
-    _mm512_storeu_si512(dst + k + 32, _mm512_permutex2var_epi16(l, _mm512_load_si512(order.idx + 32), h));
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) {
+      const __m512i idx = _mm512_load_si512(order.idx[v]);
+      __m512i out = _mm512_setzero_si512();
+      for (int p = 0; p < V / 2; ++p)
+        out = _mm512_mask_mov_epi16(out, order.from[v][p], _mm512_permutex2var_epi16(src[2 * p], idx, src[2 * p + 1]));
+      _mm512_storeu_si512(dst + k + 32 * v, out);
+      if constexpr (Codec::kBias != 0.f) {
+        const __m512i ones = _mm512_set1_epi16(0x3F80);
+        sum = _mm512_dpbf16_ps(sum, reinterpret_cast<const __m512bh&>(out), reinterpret_cast<const __m512bh&>(ones));
+      }
+    }
+    if constexpr (Codec::kBias != 0.f)
+      _mm512_storeu_ps(bias + k / Codec::kStep * 16, _mm512_mul_ps(sum, _mm512_set1_ps(-Codec::kBias)));
   }
 }
 
@@ -121,10 +176,16 @@ void bf16_dot_activations(const float* x, long K, bf16* dst) {
 template <class Codec, int MR, int NR>
 void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
   using Cursor = typename Codec::Cursor;
-  const long steps = (g.K + 63) / 64;
+  constexpr int V = Codec::kStep / 32;
+  constexpr bool biased = Codec::kBias != 0.f;
+  const long steps = (g.K + Codec::kStep - 1) / Codec::kStep;
   thread_local isa_vector<bf16> xs;
-  xs.resize(size_t(g.M) * steps * 64);
-  for (int i = 0; i < g.M; ++i) bf16_dot_activations<Codec>(g.a.at(i), g.K, xs.data() + long(i) * steps * 64);
+  thread_local isa_vector<float> bias;
+  xs.resize(size_t(g.M) * steps * Codec::kStep);
+  if constexpr (biased) bias.resize(size_t(g.M) * steps * 16);
+  for (int i = 0; i < g.M; ++i)
+    bf16_dot_activations<Codec>(g.a.at(i), g.K, xs.data() + long(i) * steps * Codec::kStep,
+                                biased ? bias.data() + long(i) * steps * 16 : nullptr);
   for (int n0 = 0; n0 < g.N; n0 += NR) {
     const int nr = std::min(NR, g.N - n0);
     Cursor cur[NR], next[NR];
@@ -136,42 +197,44 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
     auto block = [&](int m0, int mr, auto mb_c) {
       constexpr int MB = decltype(mb_c)::value;
       const bf16* a[MB];
-      for (int i = 0; i < MB; ++i) a[i] = xs.data() + (m0 + std::min(i, mr - 1)) * steps * 64;
+      const float* b[MB];
+      for (int i = 0; i < MB; ++i) {
+        const long row = m0 + std::min(i, mr - 1);
+        a[i] = xs.data() + row * steps * Codec::kStep;
+        b[i] = biased ? bias.data() + row * steps * 16 : nullptr;
+      }
       __m512 acc[MB][NR];
       for (int i = 0; i < MB; ++i)
         for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-      // One step: `len` (64 but in a row's last step) is a constant in the loop over the whole steps, so that
+      // One step: `len` (kStep but in a row's last step) is a constant in the loop over the whole steps, so that
       // the loads' masks and the scales' widths are settled at compile time there (GCC had kept a test and a jump
       // per row and step). GPU test machine, Layer Q decode, 15 threads, in undisturbed rounds: INT4 0.35-0.37 of
       // BF16's time against 0.37-0.40 (BENCHMARKS.md).
       auto step = [&](long s, auto len_c) {
         const int len = len_c;
         requests.segment();
-        __m512bh x0[MB], x1[MB];
-#pragma GCC unroll 8
-        for (int i = 0; i < MB; ++i) {
-          const __m512i e = _mm512_load_si512(a[i] + s * 64), o = _mm512_load_si512(a[i] + s * 64 + 32);
-          x0[i] = reinterpret_cast<const __m512bh&>(e);
-          x1[i] = reinterpret_cast<const __m512bh&>(o);
-        }
         // Unrolled whole, so that acc stays in registers: GCC kept it on the stack otherwise (a load and a store
         // around every FMA), which ran INT4 decode's gate/up ~3x slower on the GPU test machine's Xeon (BENCHMARKS.md).
 #pragma GCC unroll 8
         for (int j = 0; j < NR; ++j) {
-          __m512i w0, w1;
-          codec.weights(cur[j], s, len, w0, w1);
+          __m512i w[V];
+          codec.weights(cur[j], s, len, w);
           const __m512 sv = Codec::scales(cur[j], s, len);
 #pragma GCC unroll 8
           for (int i = 0; i < MB; ++i) {
-            __m512 seg = _mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<const __m512bh&>(w0), x0[i]);
-            seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w1), x1[i]);
+            __m512 seg = biased ? _mm512_load_ps(b[i] + s * 16) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) {
+              const __m512i x = _mm512_load_si512(a[i] + s * Codec::kStep + 32 * v);
+              seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w[v]), reinterpret_cast<const __m512bh&>(x));
+            }
             acc[i][j] = _mm512_fmadd_ps(seg, sv, acc[i][j]);
           }
         }
       };
-      const long whole = g.K / 64;
-      for (long s = 0; s < whole; ++s) step(s, std::integral_constant<int, 64>());
-      if (whole < steps) step(whole, int(g.K - whole * 64));
+      const long whole = g.K / Codec::kStep;
+      for (long s = 0; s < whole; ++s) step(s, std::integral_constant<int, Codec::kStep>());
+      if (whole < steps) step(whole, int(g.K - whole * Codec::kStep));
       // Over the whole block, so that no loop bound is known only at run time: otherwise acc needs a copy in
       // memory, which GCC kept by storing every accumulator at every step.
 #pragma GCC unroll 8
@@ -207,29 +270,31 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
 // best as a block of two. One activation row (decode) takes 4 weight rows per pass over the step: on Zen 5 (2
 // threads, Layer Q decode, six alternated rounds) INT4 calls took 1.02-1.50 ms against 1.31-1.75 with 8 rows
 // (gate/up's products 17-30% faster), FP8 1.17-1.81 against 1.43-2.07.
+// `Few` is the codec for one or two rows, `Many` for blocks of four.
 constexpr int kDotRows = 64;
-template <class Codec>
-void gemm_nt_bf16_dot_rows(const GemmNT<typename Codec::Weights>& g) {
-  static const Codec codec;
-  if (g.M == 1) return bf16_dot<Codec, 1, 4>(codec, g);
-  if (g.M == 2) return bf16_dot<Codec, 2, 4>(codec, g);
+template <class Few, class Many = Few>
+void gemm_nt_bf16_dot_rows(const GemmNT<typename Few::Weights>& g) {
+  static const Few few;
+  static const Many many;
+  if (g.M == 1) return bf16_dot<Few, 1, 4>(few, g);
+  if (g.M == 2) return bf16_dot<Few, 2, 4>(few, g);
   for (int m0 = 0; m0 < g.M; m0 += kDotRows) {
-    GemmNT<typename Codec::Weights> part = g;
+    GemmNT<typename Few::Weights> part = g;
     part.M = std::min(kDotRows, g.M - m0);
     if (g.a.ptrs)
       part.a.ptrs = g.a.ptrs + m0;
     else
       part.a.base = g.a.base + m0 * g.a.ld;
     part.c = g.c + m0 * g.ldc;
-    bf16_dot<Codec, 4, 4>(codec, part);
+    bf16_dot<Many, 4, 4>(many, part);
   }
 }
 
 #ifndef KT_FP8_BF16_DOT
-// INT4 needs whole groups (a step's scales are read in pairs of groups).
+// INT4 needs whole groups (a step's scales are read four groups at a time).
 void gemm_nt_int4_act(const GemmNT<int4_group>& g) {
   if (g.K % int4_group::GROUP) return gemm_nt<int4_group>(g);
-  gemm_nt_bf16_dot_rows<Int4Steps>(g);
+  gemm_nt_bf16_dot_rows<Int4Steps<128>, Int4Steps<64>>(g);
 }
 
 // FP8 rows of one or two activation rows here, more in the float32 form (decoded once per block for all rows).
