@@ -20,6 +20,12 @@ void dims(const MoeExperts& m, int p, long& out, long& in) {
 
 long backward_copy_elems(long out, long in) { return 2 * blocks32(in) * blocks32(out) * kTile; }
 
+long backward_copy_blocks(const MoeExperts& m, int p) {
+  long out, in;
+  dims(m, p, out, in);
+  return blocks32(out);
+}
+
 void check_backward_copy(const MoeExperts& m, const BackwardCopy& copy) {
   if (m.format() != Format::bf16)
     throw std::invalid_argument(std::string("the backward copy is for BF16 experts, but these are ") +
@@ -40,7 +46,7 @@ void pack_backward_copy(const MoeExperts& m, const BackwardCopy& copy, Runtime& 
   check_backward_copy(m, copy);
   // One work item per (expert, projection, reduction block): its 32 rows read once, contiguously, into their
   // tiles of every block column.
-  const long blocks[3] = {blocks32(m.I()), blocks32(m.I()), blocks32(m.H())};
+  const long blocks[3] = {backward_copy_blocks(m, GATE), backward_copy_blocks(m, UP), backward_copy_blocks(m, DOWN)};
   const long per_expert = blocks[GATE] + blocks[UP] + blocks[DOWN];
   rt.parallel_for(m.E() * per_expert, [&](long item, int) {
     const int e = int(item / per_expert);

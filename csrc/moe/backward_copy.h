@@ -25,6 +25,9 @@ void pack_backward_copy(const MoeExperts& experts, const BackwardCopy& copy, Run
 // Checks that `copy` has the shapes of these experts' copy.
 void check_backward_copy(const MoeExperts& experts, const BackwardCopy& copy);
 
+// Reduction blocks (of 32 rows) of projection p's matrix: the stride, in tiles, between its block columns.
+long backward_copy_blocks(const MoeExperts& experts, int p);
+
 // Expert e's projection p in the copy, from block column col0 / 16 on (col0 a multiple of 32).
 const bf16* backward_copy_at(const MoeExperts& experts, const BackwardCopy& copy, int e, int p, long col0);
 

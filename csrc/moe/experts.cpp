@@ -796,7 +796,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     if (copy.empty()) return;
     g.packed[0] = backward_copy_at(*this, copy, e, p, col0);
     if (second >= 0) g.packed[1] = backward_copy_at(*this, copy, e, second, col0);
-    g.packed_blocks = ceil_div(p == DOWN ? H : I, 32);
+    g.packed_blocks = backward_copy_blocks(*this, p);
   };
   Phases phase(rt);
   phase("backward.inputs");
