@@ -147,8 +147,9 @@ def _configure_from_env() -> None:
             raise RuntimeError(f"KT_SFT_KERNELS={kernels!r}: {e}") from None
 
 
-# A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN (or on/off switch): raised by the first experts module (require_settings) and
-# reported by `kt-sft doctor`, not at import, where it took every command of the CLI down with a traceback.
+# A bad KT_SFT_THREADS / KT_SFT_KERNELS / KT_SFT_PIN (or on/off switch): raised by the first experts module
+# (require_settings) and reported by `kt-sft doctor`, not at import, where it took every command of the CLI down
+# with a traceback.
 settings_error: Exception | None = None
 try:
     _configure_from_env()

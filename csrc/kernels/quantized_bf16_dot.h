@@ -228,7 +228,8 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
 #pragma GCC unroll 4
             for (int v = 0; v < V; ++v) {
               const __m512i x = _mm512_load_si512(a[i] + s * Codec::kStep + 32 * v);
-              seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w[v]), reinterpret_cast<const __m512bh&>(x));
+              seg = _mm512_dpbf16_ps(seg, reinterpret_cast<const __m512bh&>(w[v]),
+                                     reinterpret_cast<const __m512bh&>(x));
             }
             acc[i][j] = _mm512_fmadd_ps(seg, sv, acc[i][j]);
           }

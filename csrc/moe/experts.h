@@ -6,7 +6,8 @@
 // Weights are held once, in the transformers 5.x fused layout, which is also the kernel layout:
 // gate_up [E, 2I, H] (gate rows first) and down [E, H, I], row-major, in one of three formats (below).
 // Forward reads them as x·Wᵀ (dot form); backward reads the very same rows as dy·W (axpy form): no
-// transposed copy, unless the caller hands backward one (BackwardCopy, backward_copy.h: opt-in, 2× the RAM). Quantized weights stay quantized; the kernels decode tiles as they go.
+// transposed copy, unless the caller hands backward one (BackwardCopy, backward_copy.h: opt-in, 2× the RAM).
+// Quantized weights stay quantized; the kernels decode tiles as they go.
 //
 // Per expert e, with s the LoRA scale:
 //   g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ

@@ -241,7 +241,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             warnings.warn(f"kt_sft: KT_SFT_BACKWARD_COPY=1, but {room[0] / 2**30:.1f} GiB of host RAM is available and "
                           f"a layer's backward copy ({nbytes / 2**30:.2f} GiB) would leave less than "
                           f"{reserve_bytes(room[1]) / 2**30:.1f} GiB; layers without one train without it (the same "
-                          "gradients, a slower backward). Free host RAM, or unset KT_SFT_BACKWARD_COPY.", RuntimeWarning)
+                          "gradients, a slower backward). Free host RAM, or unset KT_SFT_BACKWARD_COPY.",
+                          RuntimeWarning)
         return False
 
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
