@@ -10,6 +10,9 @@ Environment variables (the only ones kt_sft reads, all here):
                   the pass their first forward kept (kt_sft/ops/kept_forward.py; saves host RAM)
   KT_SFT_BACKWARD_COPY  1: BF16 experts keep a second copy of their weights packed for the backward's products
                   (twice the experts' RAM, built at the first backward; a faster backward: cookbook/sizing.md)
+  KT_SFT_LORA_ON_GPU  1: the expert LoRA and its gradients live on the model's GPU, where the optimizer and the
+                  clipping run over them; the engine reads a CPU copy taken after each optimizer step
+                  (cookbook/sizing.md: 16 bytes of GPU memory per LoRA value)
 """
 from __future__ import annotations
 
@@ -131,9 +134,16 @@ def backward_copy_wanted() -> bool:
     return _switch("KT_SFT_BACKWARD_COPY")
 
 
+def lora_on_gpu_wanted() -> bool:
+    """KT_SFT_LORA_ON_GPU=1: the expert LoRA follows the model to its GPU (KTExperts.lora_home); read when the
+    experts move or take an adapter."""
+    return _switch("KT_SFT_LORA_ON_GPU")
+
+
 def _configure_from_env() -> None:
     recompute_experts()  # the switches read at every call, checked here too: refused before any training runs
     backward_copy_wanted()
+    lora_on_gpu_wanted()
     threads = os.environ.get("KT_SFT_THREADS")
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")

@@ -2,8 +2,9 @@
 
 Call: forward(hidden_states [T,H], top_k_index [T,K] int64, top_k_weights [T,K]) -> [T,H] on the input's
 device and dtype. The expert weights are CPU tensors in the fused layout (gate_up_proj [E,2I,H],
-down_proj [E,H,I]) held once: the engine reads them in place, `.to(device)` / `.cuda()` leave them (and the
-expert LoRA) on the CPU, and in full mode the optimizer updates them in place.
+down_proj [E,H,I]) held once: the engine reads them in place, `.to(device)` / `.cuda()` leave them on the CPU,
+and in full mode the optimizer updates them in place. The expert LoRA stays on the CPU too, unless
+KT_SFT_LORA_ON_GPU=1 puts it on the model's GPU (lora_home: the optimizer and the clipping then run there).
 
 Formats: BF16 weights are parameters (trainable in full mode). FP8 block-128 and INT4 group-32 weights (a
 kt_sft.formats.QuantizedExperts given as the first argument) are buffers that stay in their own precision;
@@ -13,16 +14,18 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .._ext import _C, backward_copy_wanted, require_settings, view
+from .._ext import _C, backward_copy_wanted, lora_on_gpu_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip, host_memory
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
+from ..ops.gpu_lora import GpuLora
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -32,6 +35,8 @@ from ..ops.reference import PROJECTIONS, lora_scale
 # master): a fused optimizer updates parameters without bumping their version counters.
 _optimizer_steps = [0]
 _step_hook = []
+# Experts whose LoRA lives on a GPU: after each optimizer step they queue the engine's copies of it (gpu_lora.py).
+_lora_on_gpu: weakref.WeakSet = weakref.WeakSet()
 # Set once the backward copy was refused for want of host RAM, or found unread (each warned once per process).
 _short_of_copy_room = []
 _copy_unread = []
@@ -39,6 +44,8 @@ _copy_unread = []
 
 def _count_step(optimizer, args, kwargs):
     _optimizer_steps[0] += 1
+    for experts in list(_lora_on_gpu):
+        experts.prefetch_lora()
 
 
 def count_optimizer_steps() -> None:
@@ -143,6 +150,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.use_rslora: dict[str, bool] = {}
         self.lora_dropout_p: dict[str, float] = {}
         self._active_adapter = "default"
+        self._model_device = torch.device("cpu")  # where the module's caller computes (_apply's last move)
+        self._gpu_lora = GpuLora()
 
     def _init_bf16(self, gate_up_proj, down_proj, train_base):
         if down_proj is None or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
@@ -315,6 +324,31 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
         self.lora_dropout_p[adapter] = float(dropout)
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
+        self._place_lora()  # drawn on the CPU above (the same values wherever it lives), then moved home
+
+    def lora_home(self) -> torch.device:
+        """Where the expert LoRA lives: the model's GPU with KT_SFT_LORA_ON_GPU=1 (kt_sft/ops/gpu_lora.py), else
+        the CPU. The model's device is the last one a `.to()` / `.cuda()` of it named."""
+        on_gpu = self._model_device.type == "cuda" and lora_on_gpu_wanted()
+        return self._model_device if on_gpu else torch.device("cpu")
+
+    def _place_lora(self) -> None:
+        home = self.lora_home()
+        if home.type == "cuda":
+            count_optimizer_steps()  # tells the engine's copies of the LoRA that a fused optimizer changed it
+            _lora_on_gpu.add(self)
+        else:
+            _lora_on_gpu.discard(self)
+        with torch.no_grad():
+            for p in self._lora_matrices():
+                if p.device != home and not p.is_meta:  # a meta LoRA: PEFT loads into it later
+                    p.data = p.data.to(home)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(home)
+
+    def _lora_matrices(self) -> list:
+        """Every adapter's A and B matrices."""
+        return [p for table in (self.lora_A, self.lora_B) for params in table.values() for p in params.values()]
 
     def merge_lora(self, adapter: str, sign: float = 1.0, check_finite: bool = False) -> None:
         """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
@@ -334,7 +368,8 @@ class KTExperts(LoadsInPlace, nn.Module):
 
         def merged(p, e):
             w = self.projection_weight(p, e)
-            return w, torch.addmm(w.float(), B[p][e].float(), A[p][e].float(), alpha=scale).to(w.dtype)
+            b, a = (m[p][e].to(w.device, torch.float32) for m in (B, A))  # from the GPU, with KT_SFT_LORA_ON_GPU=1
+            return w, torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
 
         with torch.no_grad():
             for write in ((False, True) if check_finite else (True,)):
@@ -361,13 +396,28 @@ class KTExperts(LoadsInPlace, nn.Module):
         b = self._modules["lora_B"][adapter]._parameters
         return [t for p in PROJECTIONS for t in (a.get(p), b.get(p))]
 
+    def prefetch_lora(self) -> None:
+        """Queues the engine's copies of the LoRA on the GPU that an optimizer step changed."""
+        self._gpu_lora.prefetch([p for p in self._lora_matrices() if p.device.type == "cuda"], _optimizer_steps[0])
+
+    def engine_lora(self, lora_params) -> list:
+        """lora_params as the engine reads them: float32 CPU tensors (None kept); those on a GPU through copies
+        taken again after they change (kt_sft/ops/gpu_lora.py)."""
+        on_gpu = [p for p in lora_params if p is not None and p.device.type == "cuda"]
+        copies = iter(self._gpu_lora.engine_tensors(on_gpu, _optimizer_steps[0]) if on_gpu else ())
+        return [None if p is None else next(copies) if p.device.type == "cuda" else to_engine(p, torch.float32)
+                for p in lora_params]
+
     def lora_grad_into(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
         """Where the engine may write a float32 CPU LoRA matrix's grad in place of autograd, and whether it adds
         into it: a buffer kept per matrix and reused every step, to become param.grad, when the grad is None;
         the grad itself, added into, when an earlier micro-batch left one (gradient accumulation). Either way
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
         machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
-        (autograd then gets a returned grad)."""
+        (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
+        then copies up."""
+        if param.dtype == torch.float32 and param.device.type == "cuda":
+            return self._gpu_lora.grad_buffer(param), False
         if param.dtype != torch.float32 or param.device.type != "cpu":
             return None, False
         grad = param.grad
@@ -380,6 +430,13 @@ class KTExperts(LoadsInPlace, nn.Module):
         if buf is None or buf.shape != param.shape:
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
+
+    def hand_lora_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Makes grad, written by the engine where lora_grad_into said, param's gradient."""
+        if param.device.type == "cuda":
+            self._gpu_lora.hand_grad(param, grad)
+        else:
+            param.grad = grad  # the reused buffer, or the grad the engine added into
 
     def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
@@ -455,7 +512,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
             or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
         if not trains:
-            xc, idx, w, lora32 = engine_inputs(hidden_states, top_k_index, top_k_weights, lora)
+            xc, idx, w, lora32 = engine_inputs(self, hidden_states, top_k_index, top_k_weights, lora)
             # Gradient checkpointing's first pass, most likely.
             keep = (keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
                     and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
@@ -478,8 +535,8 @@ class KTExperts(LoadsInPlace, nn.Module):
                         "the model a second time, and keep `experts` out of modules_to_save.")
 
     def _apply(self, fn, recurse=True):
-        # Expert weights (parameters or quantized buffers) and their LoRA live in CPU RAM for good: device and dtype
-        # moves skip them.
+        # Expert weights (parameters or quantized buffers) live in CPU RAM for good: device and dtype moves skip
+        # them. So do their LoRA's values, which only move to where lora_home says (never a dtype cast).
         kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj") if n in self._parameters}
         kept_buffers, self._buffers = self._buffers, {}
         kept_a, kept_b = self._modules.pop("lora_A"), self._modules.pop("lora_B")
@@ -489,6 +546,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             self._parameters.update(kept)
             self._buffers = kept_buffers
             self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
+            self._model_device = fn(torch.empty(0, device=self._model_device)).device  # a dtype cast keeps it
+            self._place_lora()
 
     def extra_repr(self) -> str:
         lora = f", lora_r={self.r}" if self.r else ""

@@ -52,10 +52,11 @@ def host_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def engine_inputs(x, top_k_index, top_k_weights, lora_params):
-    """The call's tensors as the engine takes them: x (bf16/f32), int64 ids, float32 weights and LoRA."""
+def engine_inputs(module, x, top_k_index, top_k_weights, lora_params):
+    """The call's tensors as the engine takes them: x (bf16/f32), int64 ids, float32 weights and LoRA (the
+    module's engine_lora)."""
     with engine_timer("transfer"):
-        lora32 = [None if p is None else to_engine(p, torch.float32) for p in lora_params]
+        lora32 = module.engine_lora(lora_params)
         return to_engine(x), to_engine(top_k_index, torch.int64), to_engine(top_k_weights, torch.float32), lora32
 
 
@@ -161,7 +162,7 @@ class StartEngine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, x, top_k_index, top_k_weights, gate_up, down, *lora_params):
         module = call.module
-        xc, idx, w, call.lora32 = engine_inputs(x, top_k_index, top_k_weights, lora_params)
+        xc, idx, w, call.lora32 = engine_inputs(module, x, top_k_index, top_k_weights, lora_params)
         r, scale, dropout = call.lora
         kept = module.take_kept(xc, idx, w, lora_params, call.lora)  # gradient checkpointing's recompute
         if kept is not None:
@@ -184,8 +185,9 @@ class StartEngine(torch.autograd.Function):
         call.running = call.grads = call.saved = None
         for p, g, d in zip(call.lora_params, lora_grads, direct):
             if d:
-                p.grad = g
-        out_lora = [None if g is None or d else g.to(p.dtype) for p, g, d in zip(call.lora_params, lora_grads, direct)]
+                call.module.hand_lora_grad(p, g)
+        out_lora = [None if g is None or d else g.to(device=p.device, dtype=p.dtype)
+                    for p, g, d in zip(call.lora_params, lora_grads, direct)]
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
         return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), *base, *out_lora)
 

@@ -1,0 +1,81 @@
+"""The expert LoRA on a GPU (KT_SFT_LORA_ON_GPU=1): the CPU copies the engine reads, the gradients it writes.
+
+Why: clipping and AdamW over the experts' LoRA states are passes bound by memory (AdamW moves 28 bytes per
+value). In CPU RAM they took ~12 ms per Qwen3-30B-A3B layer and step on the GPU test machine, in turn with the
+engine, whose threads need the same memory; in GPU memory they take a fraction of a millisecond. The price is
+16 bytes of GPU memory per LoRA value (the value, its grad, AdamW's two moments) and 8 of pinned host memory
+(the two buffers below) instead of 16 bytes of host RAM (cookbook/sizing.md).
+
+- engine_tensors: each GPU matrix's pinned float32 copy, taken again (one wait on the stream for all of a
+  call's copies) when the matrix changed since: its storage, its version counter (a load, an in-place edit), or
+  the process's optimizer steps (a fused optimizer bumps no version counter). prefetch queues those copies right
+  after an optimizer step (KTExperts' step hook), so that they run while the next forward's first layers
+  compute, and engine_tensors only waits for them. The engine reads the copy; nothing writes it while an engine
+  call of its module runs (a step comes after the backward that reads it).
+- grad_buffer / hand_grad: per matrix a pinned float32 buffer that the engine writes the grad into; hand_grad
+  copies it up without waiting (into param.grad, or added to the grad an earlier micro-batch left there) and
+  records an event, which the buffer's next use waits for.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class GpuLora:
+    """One experts module's host buffers for its LoRA matrices that live on a GPU."""
+
+    def __init__(self):
+        # id(param) -> (param, pinned buffer, state): the param held, so that its id is not another's meanwhile.
+        self._copies: dict[int, tuple] = {}
+        self._grads: dict[int, tuple] = {}
+        self._prefetched: list = []  # events of the copies prefetch queued
+
+    @staticmethod
+    def _entry(table: dict, param: torch.Tensor) -> tuple:
+        entry = table.get(id(param))
+        if entry is None or entry[0] is not param or entry[1].shape != param.shape:
+            entry = table[id(param)] = (param, torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
+        return entry
+
+    def _copy_changed(self, params, optimizer_steps: int) -> set:
+        """Queues the copies of the params that changed since their last one; returns the streams they are on."""
+        streams = set()
+        for p in params:
+            _, copy, state = self._entry(self._copies, p)
+            now = (p.data_ptr(), p._version, optimizer_steps)
+            if state != now:
+                copy.copy_(p.detach(), non_blocking=True)
+                streams.add(torch.cuda.current_stream(p.device))
+                self._copies[id(p)] = (p, copy, now)
+        return streams
+
+    def prefetch(self, params, optimizer_steps: int) -> None:
+        """Queues the copies engine_tensors will want, without waiting for them."""
+        self._prefetched += [stream.record_event() for stream in self._copy_changed(params, optimizer_steps)]
+
+    def engine_tensors(self, params, optimizer_steps: int) -> list:
+        """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others)."""
+        for event in self._prefetched:
+            event.synchronize()
+        self._prefetched = []
+        for stream in self._copy_changed(params, optimizer_steps):
+            stream.synchronize()
+        return [self._copies[id(p)][1] for p in params]
+
+    def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
+        """The pinned buffer the engine writes param's grad into, once its previous upload is done."""
+        _, buf, uploaded = self._entry(self._grads, param)
+        if uploaded is not None:
+            uploaded.synchronize()
+        return buf
+
+    def hand_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """grad (grad_buffer's, written) made param's gradient on its GPU, queued on the current stream."""
+        up = grad.to(param.device, non_blocking=True)
+        if param.grad is None:
+            param.grad = up
+        else:
+            param.grad.add_(up)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(param.device))
+        self._grads[id(param)] = (param, grad, event)

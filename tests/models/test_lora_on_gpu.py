@@ -1,0 +1,129 @@
+"""KT_SFT_LORA_ON_GPU=1: the expert LoRA (and its grads, and so the optimizer's states) on the model's GPU, the
+engine computing on CPU copies of it. Training, inference after optimizer steps, in-place edits, gradient
+accumulation and the adapter's round trip must match the default (LoRA in CPU RAM) run. The CUDA tests need the
+GPU test machine; without a CUDA device they are skipped and say so. On a CPU-only model the switch changes
+nothing (checked here everywhere)."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+from kt_sft.models import use_cpu_experts
+from kt_sft.peft.layer import KTExpertsLinear
+from tiny_models import tiny_model
+from tolerances import GPU_VS_CPU, TRAIN_STEPS, rel_l2
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+def lora_model(model_type="qwen3_moe", device=None):
+    """A tiny model with LoRA on o_proj and the experts; device: moved there before get_peft_model (as the
+    prepared model's loader does for LLaMA-Factory), else after it (by the caller)."""
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    if device is not None:
+        model = model.to(device)
+    torch.manual_seed(5)
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
+                                            init_lora_weights=False))
+
+
+def expert_lora(model):
+    return [p for m in model.modules() if isinstance(m, KTExpertsLinear)
+            for table in (m.lora_A, m.lora_B) for p in table["default"].values()]
+
+
+def batch(seed, device):
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def train(model, device, steps=3, accumulation=2):
+    """AdamW steps with clipping, each over `accumulation` micro-batches; the losses of every micro-batch."""
+    model = model.to(device).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            ids = batch(10 * step + micro, device)
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / accumulation).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm=0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_cpu_model_keeps_lora_on_cpu_with_the_switch_on(monkeypatch):
+    on = lora_model()
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    on = on.to("cpu")
+    monkeypatch.delenv("KT_SFT_LORA_ON_GPU")
+    off = lora_model()
+    assert all(p.device.type == "cpu" for p in expert_lora(on))
+    assert train(on, torch.device("cpu"), steps=2) == train(off, torch.device("cpu"), steps=2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("order", ["peft_then_to", "to_then_peft"])
+def test_lora_follows_the_model_to_its_gpu_and_back(monkeypatch, order):
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    cuda = torch.device("cuda")
+    model = lora_model() if order == "peft_then_to" else lora_model(device=cuda)
+    model = model.to(cuda).to(torch.float32)  # a dtype-only move keeps it on the GPU
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert experts and all(m.gate_up_proj.device.type == "cpu" for m in experts)
+    assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in expert_lora(model))
+    model.cpu()
+    assert all(p.device.type == "cpu" for p in expert_lora(model))
+
+
+@needs_cuda
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_training_matches_lora_in_cpu_ram(monkeypatch, model_type):
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
+    ref = lora_model(model_type)
+    ref_losses = train(ref, cuda)
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(model_type)
+    losses = train(gpu, cuda)
+    assert all(p.device.type == "cuda" and p.grad is None for p in expert_lora(gpu))
+    assert all(p.device.type == "cpu" for p in expert_lora(ref))
+    # The same engine products on the same float32 LoRA values; what differs is AdamW on the GPU against the
+    # CPU, and the clipping's norm summed there or on the engine's threads (last bits, then carried by Adam).
+    assert losses == pytest.approx(ref_losses, rel=TRAIN_STEPS)
+    for (name, p), q in zip(gpu.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert rel_l2(p.cpu(), q.cpu()) <= TRAIN_STEPS, name
+    # Inference after the steps reads the updated values (the engine's copies taken again), and so does a
+    # forward after an in-place edit that no optimizer made.
+    ids = batch(99, cuda)
+    gpu.eval(), ref.eval()
+    for edit in (False, True):
+        if edit:
+            with torch.no_grad():
+                for a, b in zip(expert_lora(gpu), expert_lora(ref)):
+                    a.mul_(1.5), b.mul_(1.5)
+        with torch.no_grad():
+            assert rel_l2(gpu(input_ids=ids).logits.cpu(), ref(input_ids=ids).logits.cpu()) <= GPU_VS_CPU
+
+
+@needs_cuda
+def test_adapter_round_trip_with_lora_on_gpu(monkeypatch):
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    cuda = torch.device("cuda")
+    trained = lora_model(device=cuda)
+    train(trained, cuda, steps=1, accumulation=1)
+    state = get_peft_model_state_dict(trained)
+    fresh = lora_model(device=cuda)
+    fresh.eval(), trained.eval()
+    ids = batch(7, cuda)
+    with torch.no_grad():
+        before = fresh(input_ids=ids).logits  # its engine copies taken from its own LoRA first
+    set_peft_model_state_dict(fresh, state)
+    with torch.no_grad():
+        after, want = fresh(input_ids=ids).logits, trained(input_ids=ids).logits
+    assert not torch.equal(before, want)
+    assert torch.equal(after, want)
