@@ -12,6 +12,7 @@ LoRA trains on top of them, and full-parameter training of them is refused.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 import weakref
@@ -35,8 +36,10 @@ from ..ops.reference import PROJECTIONS, lora_scale
 # master): a fused optimizer updates parameters without bumping their version counters.
 _optimizer_steps = [0]
 _step_hook = []
-# Experts whose LoRA lives on a GPU: after each optimizer step they queue the engine's copies of it (gpu_lora.py).
-_lora_on_gpu: weakref.WeakSet = weakref.WeakSet()
+# Experts whose LoRA lives on a GPU, each with when it went there: after each optimizer step they queue the
+# engine's copies of it (gpu_lora.py) in that order, which is the layers' (PEFT and .to() visit them in order).
+_lora_on_gpu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_placed = itertools.count()
 # Set once the backward copy was refused for want of host RAM, or found unread (each warned once per process).
 _short_of_copy_room = []
 _copy_unread = []
@@ -44,7 +47,7 @@ _copy_unread = []
 
 def _count_step(optimizer, args, kwargs):
     _optimizer_steps[0] += 1
-    for experts in list(_lora_on_gpu):
+    for experts in sorted(_lora_on_gpu, key=_lora_on_gpu.get):
         experts.prefetch_lora()
 
 
@@ -336,9 +339,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         home = self.lora_home()
         if home.type == "cuda":
             count_optimizer_steps()  # tells the engine's copies of the LoRA that a fused optimizer changed it
-            _lora_on_gpu.add(self)
+            _lora_on_gpu.setdefault(self, next(_placed))
         else:
-            _lora_on_gpu.discard(self)
+            _lora_on_gpu.pop(self, None)
         with torch.no_grad():
             for p in self._lora_matrices():
                 if p.device != home and not p.is_meta:  # a meta LoRA: PEFT loads into it later
