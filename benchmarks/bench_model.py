@@ -116,6 +116,7 @@ def main():
     for step in range(args.steps + 1):
         if step == 1:  # the first step warms up allocators and kernels
             torch.cuda.synchronize()
+            allocator = torch.cuda.memory_stats()
         reset_engine_seconds()
         starts.append(time.perf_counter())
         loss = model(input_ids=ids, labels=ids).loss
@@ -129,6 +130,10 @@ def main():
             engine.append(engine_seconds())
     torch.cuda.synchronize()
     starts.append(time.perf_counter())
+    # Calls into the driver's allocator while timed (each cudaFree synchronizes the device): none when the caching
+    # allocator reuses what the warm-up step took.
+    driver_calls = {k: torch.cuda.memory_stats()[k] - allocator[k] for k in ("num_device_alloc", "num_device_free",
+                                                                              "num_alloc_retries")}
     step_s = statistics.median(b - a for a, b in zip(starts[1:], starts[2:]))
     fwd = statistics.median(e["forward"] for e in engine)
     bwd = statistics.median(e["backward"] for e in engine)
@@ -138,7 +143,8 @@ def main():
     print(f"mode {args.mode}: {args.arch}, {args.layers} layers, seq {args.seq}, LoRA r{args.rank}, targets {targets}, "
           f"{args.optim} AdamW")
     print(f"step {step_s * 1e3:.0f} ms, {args.seq / step_s:.0f} tokens/s; GPU max allocated "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; host RSS {host_rss_gib():.1f} GiB (peak {host_rss_gib('VmHWM'):.1f})")
+          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; host RSS {host_rss_gib():.1f} GiB (peak {host_rss_gib('VmHWM'):.1f}); "
+          f"GPU allocator's driver calls while timed {driver_calls}")
     if args.mode == "kt":
         other = step_s - fwd - bwd - xfer - gpu - opt_s
         print(f"CPU engine: forward {fwd * 1e3:.0f} ms (incl. the checkpoint recompute), backward {bwd * 1e3:.0f} ms; "

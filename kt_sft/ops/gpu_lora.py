@@ -100,16 +100,20 @@ class GpuLora:
 
     def hand_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """grad (grad_buffer's, written) made param's gradient on its GPU, copied up on the side stream; runs
-        inside a backward, at whose end the compute stream waits for the copy."""
+        inside a backward, at whose end the compute stream waits for the copy. GPU memory is taken on the compute
+        stream, where the optimizer reads and frees the grads, and the side stream's use of it recorded."""
         device = param.device
         stream = _queue_on_side(device)
+        up = torch.empty(param.shape, dtype=torch.float32, device=device)
         with torch.cuda.stream(stream):
-            up = grad.to(device, non_blocking=True)
-            if param.grad is None:
-                param.grad = up
-            else:
+            up.copy_(grad, non_blocking=True)
+            if param.grad is not None:
                 param.grad.add_(up)
-        up.record_stream(torch.cuda.current_stream(device))  # freed later by the optimizer's zero_grad there
+        up.record_stream(stream)
+        if param.grad is None:
+            param.grad = up
+        else:
+            param.grad.record_stream(stream)
         event = stream.record_event()
         self._grads[id(param)] = (param, grad, event)
         torch.autograd.Variable._execution_engine.queue_callback(
