@@ -127,3 +127,29 @@ def test_adapter_round_trip_with_lora_on_gpu(monkeypatch):
         after, want = fresh(input_ids=ids).logits, trained(input_ids=ids).logits
     assert not torch.equal(before, want)
     assert torch.equal(after, want)
+
+
+@needs_cuda
+def test_a_backward_that_raises_leaves_no_upload_behind(monkeypatch):
+    # The grads' uploads wait for the next engine call; those of a backward that raised must not land in the grads
+    # of a later one.
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
+    ref = lora_model().to(cuda).train()
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(device=cuda).train()
+
+    def stop(grad):
+        raise RuntimeError("stopped on purpose")
+
+    hook = gpu.get_input_embeddings().register_forward_hook(lambda module, args, out: out.register_hook(stop))
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        gpu(input_ids=batch(1, cuda), labels=batch(1, cuda)).loss.backward()
+    hook.remove()
+    gpu.zero_grad()
+    ids = batch(2, cuda)
+    for model in (gpu, ref):
+        model(input_ids=ids, labels=ids).loss.backward()
+    for (name, p), q in zip(gpu.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert rel_l2(p.grad.cpu(), q.grad.cpu()) <= GPU_VS_CPU, name
