@@ -18,7 +18,6 @@ from typing import NamedTuple
 import torch
 
 from .._ext import view
-from .gpu_lora import start_waiting_copies
 from .timing import add_engine_seconds, engine_timer
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
@@ -98,7 +97,6 @@ def start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, 
     whose wait() gives the engine's saved state (or None). now: run it on this thread at once; else the engine's
     driver thread runs it while the caller goes on. dropout: (p, seed) of LoRA dropout (p = 0: none)."""
     out = host_empty(xc.shape, xc.dtype, device)
-    start_waiting_copies()  # the next layer's LoRA, beside this call (KT_SFT_LORA_ON_GPU)
     t0 = time.perf_counter()
     pending = engine.forward(view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
                              lora_r, lora_scale, lora_views(lora32), save, *dropout, now=now)
@@ -244,7 +242,6 @@ class EngineResult(torch.autograd.Function):
         # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
         # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
         concurrent = call.concurrent and not any(accumulate) and d_gate_up is None and d_down is None
-        start_waiting_copies()  # the LoRA grads of the layer before, beside this call (KT_SFT_LORA_ON_GPU)
         t0 = time.perf_counter()
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),

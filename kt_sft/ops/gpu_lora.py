@@ -8,35 +8,24 @@ engine, whose threads need the same memory; in GPU memory they take a fraction o
 
 - engine_tensors: each GPU matrix's pinned float32 copy, taken again when the matrix changed since: its
   storage, its version counter (a load, an in-place edit), or the process's optimizer steps (a fused optimizer
-  bumps no version counter). After an optimizer step (KTExperts' step hook) each module's copies wait to be
-  started, in the layers' order, one module's as each engine call starts computing (start_waiting_copies): the
-  next layer's copies then run while this layer's engine computes. engine_tensors waits for its own, or takes
-  them itself. The engine reads the copy; nothing writes it while an engine call of its module runs (a step
-  comes after the backward that reads it).
+  bumps no version counter). prefetch queues those copies right after an optimizer step (KTExperts' step hook,
+  layer by layer in the order the forward needs them), so that they run while the next forward's first layers
+  compute; engine_tensors then only waits for its own. The engine reads the copy; nothing writes it while an
+  engine call of its module runs (a step comes after the backward that reads it).
 - grad_buffer / hand_grad: per matrix a pinned float32 buffer that the engine writes the grad into; hand_grad
-  has it copied up (into param.grad, or added to the grad an earlier micro-batch left there) as the next engine
-  call starts computing, and the copy's event is what the buffer's next use waits for.
+  copies it up without waiting (into param.grad, or added to the grad an earlier micro-batch left there) and
+  records an event, which the buffer's next use waits for.
 
-Both kinds of copies run on a side stream, started while an engine call computes: 70 MB per Qwen3-30B-A3B
-layer each way, queued at once, held up the layers' own transfers (inputs out, results back, which share the
-copy engines) and the GPU work behind them: in bench_model at 16 layers the step lost about what the optimizer
-had gained (BENCHMARKS.md). The side stream first waits for what the compute stream has queued (the optimizer's
-update, an earlier use of the grad), and the compute stream waits for the grads' uploads at the end of the
-backward that made them (an autograd callback, which starts any still waiting), before clipping or an optimizer
-step reads them.
+Both kinds of copies run on a side stream: on the compute stream, 70 MB per Qwen3-30B-A3B layer each way would
+queue ~2 ms of PCIe time ahead of the next layer's attention, which the engine waits for. The side stream first
+waits for what the compute stream has queued (the optimizer's update, an earlier use of the grad), and the
+compute stream waits for the grads' uploads at the end of the backward that made them (an autograd callback),
+before any clipping or optimizer step reads them.
 """
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
-# Copies waiting for an engine call to compute beside them, oldest first: callables job(start) that start them
-# (start True: saying whether they started any; a prefetch whose copies were taken meanwhile starts none) or
-# drop them (False). The values' copies, after an optimizer step; the grads' uploads, during a backward, with
-# the autograd graph task they belong to.
-_prefetches: deque = deque()
-_uploads: deque = deque()
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -55,35 +44,6 @@ def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _drop_orphan_uploads() -> None:
-    """Drops the uploads of other graph tasks than the running one (none outside a backward). A graph task that
-    ends starts all of its own (hand_grad), so those are a backward's that raised: its grads are not handed over,
-    as autograd hands over none of a node that did not run."""
-    task = torch._C._current_graph_task_id()
-    for _ in range(len(_uploads)):
-        owner, job = _uploads.popleft()
-        if owner == task:
-            _uploads.append((owner, job))
-        else:
-            job(False)
-
-
-def start_waiting_copies() -> None:
-    """The engine is about to compute: starts the waiting uploads (the grads of the call before), or else the
-    oldest waiting prefetch that has copies to start (the next layer's values)."""
-    if _uploads:
-        _start_all_uploads()
-        return
-    while _prefetches and not _prefetches.popleft()(True):
-        pass
-
-
-def _start_all_uploads() -> None:
-    _drop_orphan_uploads()
-    while _uploads:
-        _uploads.popleft()[1](True)
-
-
 class GpuLora:
     """One experts module's host buffers for its LoRA matrices that live on a GPU."""
 
@@ -91,8 +51,7 @@ class GpuLora:
         # id(param) -> (param, pinned buffer, state): the param held, so that its id is not another's meanwhile.
         self._copies: dict[int, tuple] = {}
         self._grads: dict[int, tuple] = {}
-        self._prefetched: list = []  # events of the copies prefetch started
-        self._prefetch_waiting = False
+        self._prefetched: list = []  # events of the copies prefetch queued
 
     @staticmethod
     def _entry(table: dict, param: torch.Tensor) -> tuple:
@@ -122,16 +81,8 @@ class GpuLora:
         return events
 
     def prefetch(self, params, optimizer_steps: int) -> None:
-        """Has the copies engine_tensors will want started with the next engine call that computes."""
-        def job(start: bool) -> bool:
-            self._prefetch_waiting = False
-            events = self._copy_changed(params, optimizer_steps)
-            self._prefetched += events
-            return bool(events)
-
-        if not self._prefetch_waiting:
-            self._prefetch_waiting = True
-            _prefetches.append(job)
+        """Queues the copies engine_tensors will want, without waiting for them."""
+        self._prefetched += self._copy_changed(params, optimizer_steps)
 
     def engine_tensors(self, params, optimizer_steps: int) -> list:
         """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others)."""
@@ -143,35 +94,14 @@ class GpuLora:
     def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """The pinned buffer the engine writes param's grad into, once its previous upload is done."""
         _, buf, uploaded = self._entry(self._grads, param)
-        if uploaded == "waiting":  # a module run twice in one backward, or a backward that raised
-            _start_all_uploads()
-            uploaded = self._grads[id(param)][2]
         if uploaded is not None:
             uploaded.synchronize()
         return buf
 
     def hand_grad(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """grad (grad_buffer's, written) to become param's gradient on its GPU, copied up on the side stream as
-        the next engine call computes, or at the end of this backward (which hand_grad runs in), where the
-        compute stream waits for the copies."""
-        self._grads[id(param)] = (param, grad, "waiting")
-        _uploads.append((torch._C._current_graph_task_id(),
-                         lambda start: self._upload(param, grad) if start else self._entry_done(param, grad, None)))
-        device = param.device
-
-        def at_backward_end():
-            _start_all_uploads()
-            torch.cuda.current_stream(device).wait_stream(side_stream(device))
-
-        torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
-
-    def _entry_done(self, param: torch.Tensor, grad: torch.Tensor, event) -> bool:
-        self._grads[id(param)] = (param, grad, event)
-        return event is not None
-
-    def _upload(self, param: torch.Tensor, grad: torch.Tensor) -> bool:
-        # GPU memory is taken on the compute stream, where the optimizer reads and frees the grads, and the side
-        # stream's use of it recorded.
+        """grad (grad_buffer's, written) made param's gradient on its GPU, copied up on the side stream; runs
+        inside a backward, at whose end the compute stream waits for the copy. GPU memory is taken on the compute
+        stream, where the optimizer reads and frees the grads, and the side stream's use of it recorded."""
         device = param.device
         stream = _queue_on_side(device)
         up = torch.empty(param.shape, dtype=torch.float32, device=device)
@@ -184,4 +114,7 @@ class GpuLora:
             param.grad = up
         else:
             param.grad.record_stream(stream)
-        return self._entry_done(param, grad, stream.record_event())
+        event = stream.record_event()
+        self._grads[id(param)] = (param, grad, event)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: torch.cuda.current_stream(device).wait_event(event))
