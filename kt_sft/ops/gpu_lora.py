@@ -20,7 +20,9 @@ Both kinds of copies run on a side stream: on the compute stream, 70 MB per Qwen
 queue ~2 ms of PCIe time ahead of the next layer's attention, which the engine waits for. The side stream first
 waits for what the compute stream has queued (the optimizer's update, an earlier use of the grad), and the
 compute stream waits for the grads' uploads at the end of the backward that made them (an autograd callback),
-before any clipping or optimizer step reads them.
+before any clipping or optimizer step reads them. They still share the GPU's copy engines with the layers' own
+transfers: in bench_model at 16 layers the rest of the step grew by about what the optimizer saved, through
+`llamafactory-cli train` at 4 layers it did not (BENCHMARKS.md, "The expert LoRA on the GPU").
 """
 from __future__ import annotations
 
