@@ -12,7 +12,7 @@ Environment variables (the only ones kt_sft reads, all here):
                   (twice the experts' RAM, built at the first backward; a faster backward: cookbook/sizing.md)
   KT_SFT_LORA_ON_GPU  1: the expert LoRA and its gradients live on the model's GPU, where the optimizer and the
                   clipping run over them; the engine reads a CPU copy taken after each optimizer step
-                  (cookbook/sizing.md: 16 bytes of GPU memory per LoRA value)
+                  (cookbook/sizing.md: 12-16 bytes of GPU memory per LoRA value)
 """
 from __future__ import annotations
 

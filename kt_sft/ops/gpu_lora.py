@@ -1,10 +1,11 @@
 """The expert LoRA on a GPU (KT_SFT_LORA_ON_GPU=1): the CPU copies the engine reads, the gradients it writes.
 
 Why: clipping and AdamW over the experts' LoRA states are passes bound by memory (AdamW moves 28 bytes per
-value). In CPU RAM they took ~12 ms per Qwen3-30B-A3B layer and step on the GPU test machine, in turn with the
+value). In CPU RAM they took 5–12 ms per Qwen3-30B-A3B layer and step on the GPU test machine, in turn with the
 engine, whose threads need the same memory; in GPU memory they take a fraction of a millisecond. The price is
-16 bytes of GPU memory per LoRA value (the value, its grad, AdamW's two moments) and 8 of pinned host memory
-(the two buffers below) instead of 16 bytes of host RAM (cookbook/sizing.md).
+up to 16 bytes of GPU memory per LoRA value (the value, its grad, AdamW's two moments; 12 measured at the
+step's peak) and 8 of pinned host memory (the two buffers below) instead of 16 bytes of host RAM
+(cookbook/sizing.md).
 
 - engine_tensors: each GPU matrix's pinned float32 copy, taken again when the matrix changed since: its
   storage, its version counter (a load, an in-place edit), or the process's optimizer steps (a fused optimizer
