@@ -26,7 +26,7 @@ from .._ext import _C, backward_copy_wanted, lora_on_gpu_wanted, require_setting
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip, host_memory
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
-from ..ops.gpu_lora import GpuLora
+from ..ops.gpu_lora import GpuLora, check_room
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -337,17 +337,20 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def _place_lora(self) -> None:
         home = self.lora_home()
+        moving = [p for p in self._lora_matrices() if p.device != home and not p.is_meta]  # meta: PEFT loads it later
+        if moving and home.type == "cuda":
+            placed = sum(p.numel() for experts in _lora_on_gpu for p in experts._lora_matrices() if p.device == home)
+            check_room(home, sum(p.numel() for p in moving), placed)
+        with torch.no_grad():
+            for p in moving:
+                p.data = p.data.to(home)
+                if p.grad is not None:
+                    p.grad = p.grad.to(home)
         if home.type == "cuda":
             count_optimizer_steps()  # tells the engine's copies of the LoRA that a fused optimizer changed it
             _lora_on_gpu.setdefault(self, next(_placed))
         else:
             _lora_on_gpu.pop(self, None)
-        with torch.no_grad():
-            for p in self._lora_matrices():
-                if p.device != home and not p.is_meta:  # a meta LoRA: PEFT loads into it later
-                    p.data = p.data.to(home)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(home)
 
     def _lora_matrices(self) -> list:
         """Every adapter's A and B matrices."""

@@ -27,6 +27,8 @@ transfers: in bench_model at 16 layers the rest of the step grew by about what t
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -45,6 +47,24 @@ def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
     stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
+
+
+def check_room(device: torch.device, moving: int, placed: int) -> None:
+    """Before `moving` more float32 LoRA values go to device beside `placed` already there: raises when they do not
+    fit its free memory (a clear error in place of an out-of-memory one), and warns when the grads and an
+    Adam-type optimizer's two moments of all of them (12 bytes a value more) would not, which training needs at its
+    first step; both lower bounds (activations come on top)."""
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    now, training = 4 * moving, 4 * moving + 12 * (placed + moving)
+    if now <= free and training <= free:
+        return
+    what = (f"KT_SFT_LORA_ON_GPU=1: the routed experts' LoRA ({placed + moving} values so far) needs "
+            f"{now / 2**30:.3g} GiB more on {device} now and {training / 2**30:.3g} GiB to train (its grads and "
+            f"AdamW's state: 16 bytes per value), but {free / 2**30:.3g} GiB are free there")
+    if now > free:
+        raise ValueError(f"{what}; unset KT_SFT_LORA_ON_GPU to keep it in host RAM, or lower the LoRA rank.")
+    warnings.warn(f"kt_sft: {what}: training would run out of GPU memory at its first optimizer step; unset "
+                  "KT_SFT_LORA_ON_GPU to keep the expert LoRA in host RAM, or lower the LoRA rank.", RuntimeWarning)
 
 
 class GpuLora:

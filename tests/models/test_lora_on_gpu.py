@@ -65,6 +65,20 @@ def test_cpu_model_keeps_lora_on_cpu_with_the_switch_on(monkeypatch):
     assert train(on, torch.device("cpu"), steps=2) == train(off, torch.device("cpu"), steps=2)
 
 
+def test_lora_that_cannot_fit_the_gpu_is_refused_with_the_fix(monkeypatch):
+    # The check runs before anything moves, so a CPU-only machine can stand in for a full GPU.
+    model = lora_model()
+    experts = next(m for m in model.modules() if isinstance(m, KTExpertsLinear))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 10, 1 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(KTExpertsLinear, "lora_home", lambda self: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"KT_SFT_LORA_ON_GPU=1: the routed experts' LoRA \(\d+ values so far\) needs "
+                                         r".* GiB are free there; unset KT_SFT_LORA_ON_GPU to keep it in host RAM"):
+        experts.add_lora(64, 128, adapter="big")
+    assert all(p.device.type == "cpu" for p in expert_lora(model))
+
+
 @needs_cuda
 @pytest.mark.parametrize("order", ["peft_then_to", "to_then_peft"])
 def test_lora_follows_the_model_to_its_gpu_and_back(monkeypatch, order):
