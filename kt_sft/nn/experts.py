@@ -40,9 +40,11 @@ _step_hook = []
 # engine's copies of it (gpu_lora.py) in that order, which is the layers' (PEFT and .to() visit them in order).
 _lora_on_gpu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _placed = itertools.count()
-# Set once the backward copy was refused for want of host RAM, or found unread (each warned once per process).
+# Set once the backward copy was refused for want of host RAM, or found unread, or KT_SFT_LORA_ON_GPU found without
+# effect (each warned once per process).
 _short_of_copy_room = []
 _copy_unread = []
+_lora_not_moved = []
 
 
 def _count_step(optimizer, args, kwargs):
@@ -341,6 +343,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         if moving and home.type == "cuda":
             placed = sum(p.numel() for experts in _lora_on_gpu for p in experts._lora_matrices() if p.device == home)
             check_room(home, sum(p.numel() for p in moving), placed)
+        if moving:
+            self._gpu_lora.settle()
         with torch.no_grad():
             for p in moving:
                 p.data = p.data.to(home)
@@ -410,6 +414,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         """lora_params as the engine reads them: float32 CPU tensors (None kept); those on a GPU through copies
         taken again after they change (kt_sft/ops/gpu_lora.py)."""
         on_gpu = [p for p in lora_params if p is not None and p.device.type == "cuda"]
+        if on_gpu:
+            # However it got there (a PEFT load may assign GPU tensors, switch or not), a fused optimizer's steps
+            # must tell the copies that it changed.
+            count_optimizer_steps()
         copies = iter(self._gpu_lora.engine_tensors(on_gpu, _optimizer_steps[0]) if on_gpu else ())
         return [None if p is None else next(copies) if p.device.type == "cuda" else to_engine(p, torch.float32)
                 for p in lora_params]
@@ -422,14 +430,14 @@ class KTExperts(LoadsInPlace, nn.Module):
         machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
         (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
         then copies up."""
-        if param.dtype == torch.float32 and param.device.type == "cuda":
-            return self._gpu_lora.grad_buffer(param), False
-        if param.dtype != torch.float32 or param.device.type != "cpu":
+        if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda"):
             return None, False
         grad = param.grad
+        fits = grad is None or (grad.dtype == torch.float32 and grad.device == param.device and not grad.requires_grad
+                                and grad.layout == torch.strided and grad.shape == param.shape and grad.is_contiguous())
+        if param.device.type == "cuda":
+            return (self._gpu_lora.grad_buffer(param), False) if fits else (None, False)
         if grad is not None:
-            fits = (grad.dtype == torch.float32 and grad.device.type == "cpu" and grad.layout == torch.strided
-                    and grad.shape == param.shape and grad.is_contiguous() and not grad.requires_grad)
             return (grad, True) if fits else (None, False)
         buffers = self.__dict__.setdefault("_lora_grad_buffers", {})
         buf = buffers.get(id(param))
@@ -509,6 +517,12 @@ class KTExperts(LoadsInPlace, nn.Module):
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
         lora = self.lora_params(adapter)
+        if adapter and hidden_states.is_cuda and lora[0].device.type == "cpu" and not _lora_not_moved:
+            if lora_on_gpu_wanted():  # the model reached the GPU without a .to() / .cuda() of it (a dispatch)
+                _lora_not_moved.append(True)
+                warnings.warn("kt_sft: KT_SFT_LORA_ON_GPU=1, but these experts' LoRA is in host RAM while their inputs "
+                              "are on the GPU: the model did not get there by .to() / .cuda(), which moves it; call "
+                              "model.to(device) once (the expert weights stay in host RAM).", RuntimeWarning)
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
         # LoRA dropout in training mode, with a seed drawn from torch's RNG: gradient checkpointing restores the
         # RNG state for its recompute, so the recomputed forward drops the same entries as the first.
@@ -552,7 +566,10 @@ class KTExperts(LoadsInPlace, nn.Module):
             self._parameters.update(kept)
             self._buffers = kept_buffers
             self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
-            self._model_device = fn(torch.empty(0, device=self._model_device)).device  # a dtype cast keeps it
+            try:
+                self._model_device = fn(torch.empty(0, device=self._model_device)).device  # a dtype cast keeps it
+            except (RuntimeError, TypeError):  # an fn for other tensors than this probe (pin_memory of a GPU one)
+                pass
             self._place_lora()
 
     def extra_repr(self) -> str:

@@ -183,13 +183,16 @@ class StartEngine(torch.autograd.Function):
         dx, dw, lora_grads, direct, base = call.grads
         call.running.wait()
         call.running = call.grads = call.saved = None
+        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
+        # dx and dw first: the next GPU work waits for them, and a LoRA on the GPU queues its grads' larger copies
+        # after them (KTExperts.hand_lora_grad).
+        dx, dw = to_caller(dx, dev, dt), to_caller(dw, wdev, wdt)
         for p, g, d in zip(call.lora_params, lora_grads, direct):
             if d:
                 call.module.hand_lora_grad(p, g)
         out_lora = [None if g is None or d else g.to(device=p.device, dtype=p.dtype)
                     for p, g, d in zip(call.lora_params, lora_grads, direct)]
-        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
-        return (None, to_caller(dx, dev, dt), None, to_caller(dw, wdev, wdt), *base, *out_lora)
+        return (None, dx, None, dw, *base, *out_lora)
 
 
 class EngineResult(torch.autograd.Function):

@@ -9,13 +9,15 @@ step's peak) and 8 of pinned host memory (the two buffers below) instead of 16 b
 
 - engine_tensors: each GPU matrix's pinned float32 copy, taken again when the matrix changed since: its
   storage, its version counter (a load, an in-place edit), or the process's optimizer steps (a fused optimizer
-  bumps no version counter). prefetch queues those copies right after an optimizer step (KTExperts' step hook,
-  layer by layer in the order the forward needs them), so that they run while the next forward's first layers
-  compute; engine_tensors then only waits for its own. The engine reads the copy; nothing writes it while an
+  bumps no version counter; writes through `.data`, which bump none either, are seen at the next optimizer step
+  only: write through the parameter under torch.no_grad()). prefetch queues those copies right after an
+  optimizer step (KTExperts' step hook, layer by layer in the order the forward needs them), so that they run
+  while the next forward's first layers compute; engine_tensors then only waits for its own. The engine reads the copy; nothing writes it while an
   engine call of its module runs (a step comes after the backward that reads it).
 - grad_buffer / hand_grad: per matrix a pinned float32 buffer that the engine writes the grad into; hand_grad
   copies it up without waiting (into param.grad, or added to the grad an earlier micro-batch left there) and
-  records an event, which the buffer's next use waits for.
+  records an event, which the buffer's next use waits for. A backward that raises after a layer's upload leaves
+  it unwaited: drop such grads with zero_grad() (set_to_none, the default) rather than zeroing them in place.
 
 Both kinds of copies run on a side stream: on the compute stream, 70 MB per Qwen3-30B-A3B layer each way would
 queue ~2 ms of PCIe time ahead of the next layer's attention, which the engine waits for. The side stream first
@@ -30,6 +32,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -68,19 +71,19 @@ def check_room(device: torch.device, moving: int, placed: int) -> None:
 
 
 class GpuLora:
-    """One experts module's host buffers for its LoRA matrices that live on a GPU."""
+    """One experts module's host buffers for its LoRA matrices that live on a GPU, each kept while its matrix lives
+    (keyed by the matrix itself, weakly: a load that replaces the matrices frees the old buffers)."""
 
     def __init__(self):
-        # id(param) -> (param, pinned buffer, state): the param held, so that its id is not another's meanwhile.
-        self._copies: dict[int, tuple] = {}
-        self._grads: dict[int, tuple] = {}
-        self._prefetched: list = []  # events of the copies prefetch queued
+        self._copies = WeakIdKeyDictionary()  # param -> (pinned copy, state it was taken at)
+        self._grads = WeakIdKeyDictionary()  # param -> (pinned grad buffer, event of its last upload or None)
+        self._prefetched: list = []  # the events of prefetch's latest copies (a stream's later event covers earlier)
 
     @staticmethod
-    def _entry(table: dict, param: torch.Tensor) -> tuple:
-        entry = table.get(id(param))
-        if entry is None or entry[0] is not param or entry[1].shape != param.shape:
-            entry = table[id(param)] = (param, torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
+    def _entry(table, param: torch.Tensor) -> tuple:
+        entry = table.get(param)
+        if entry is None or entry[0].shape != param.shape:
+            entry = table[param] = (torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
         return entry
 
     def _copy_changed(self, params, optimizer_steps: int) -> list:
@@ -88,35 +91,42 @@ class GpuLora:
         they are done."""
         changed = []
         for p in params:
-            _, copy, state = self._entry(self._copies, p)
+            copy, state = self._entry(self._copies, p)
             now = (p.data_ptr(), p._version, optimizer_steps)
             if state != now:
                 changed.append(p)
-                self._copies[id(p)] = (p, copy, now)
+                self._copies[p] = (copy, now)
         events = []
         for device in {p.device for p in changed}:
             stream = _queue_on_side(device)
             with torch.cuda.stream(stream):
                 for p in changed:
                     if p.device == device:
-                        self._copies[id(p)][1].copy_(p.detach(), non_blocking=True)
+                        self._copies[p][0].copy_(p.detach(), non_blocking=True)
             events.append(stream.record_event())
         return events
 
     def prefetch(self, params, optimizer_steps: int) -> None:
         """Queues the copies engine_tensors will want, without waiting for them."""
-        self._prefetched += self._copy_changed(params, optimizer_steps)
+        self._prefetched = self._copy_changed(params, optimizer_steps) or self._prefetched
+
+    def settle(self) -> None:
+        """Waits for the copies prefetch queued (before the matrices move to another device, whose side stream
+        would otherwise write the same buffers in no fixed order with them)."""
+        for event in self._prefetched:
+            event.synchronize()
+        self._prefetched = []
 
     def engine_tensors(self, params, optimizer_steps: int) -> list:
         """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others)."""
         for event in self._prefetched + self._copy_changed(params, optimizer_steps):
             event.synchronize()
         self._prefetched = []
-        return [self._copies[id(p)][1] for p in params]
+        return [self._copies[p][0] for p in params]
 
     def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """The pinned buffer the engine writes param's grad into, once its previous upload is done."""
-        _, buf, uploaded = self._entry(self._grads, param)
+        buf, uploaded = self._entry(self._grads, param)
         if uploaded is not None:
             uploaded.synchronize()
         return buf
@@ -126,6 +136,7 @@ class GpuLora:
         inside a backward, at whose end the compute stream waits for the copy. GPU memory is taken on the compute
         stream, where the optimizer reads and frees the grads, and the side stream's use of it recorded."""
         device = param.device
+        compute = torch.cuda.current_stream(device)
         stream = _queue_on_side(device)
         up = torch.empty(param.shape, dtype=torch.float32, device=device)
         with torch.cuda.stream(stream):
@@ -138,6 +149,11 @@ class GpuLora:
         else:
             param.grad.record_stream(stream)
         event = stream.record_event()
-        self._grads[id(param)] = (param, grad, event)
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: torch.cuda.current_stream(device).wait_event(event))
+        self._grads[param] = (grad, event)
+
+        def at_backward_end():
+            # Both the stream the backward ran on and the one current where the callback runs (the caller's).
+            compute.wait_event(event)
+            torch.cuda.current_stream(device).wait_event(event)
+
+        torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
