@@ -12,8 +12,9 @@ step's peak) and 8 of pinned host memory (the two buffers below) instead of 16 b
   bumps no version counter; writes through `.data`, which bump none either, are seen at the next optimizer step
   only: write through the parameter under torch.no_grad()). prefetch queues those copies right after an
   optimizer step (KTExperts' step hook, layer by layer in the order the forward needs them), so that they run
-  while the next forward's first layers compute; engine_tensors then only waits for its own. The engine reads the copy; nothing writes it while an
-  engine call of its module runs (a step comes after the backward that reads it).
+  while the next forward's first layers compute; engine_tensors then only waits for its own. The engine reads
+  the copy; nothing writes it while an engine call of its module runs (a step comes after the backward that
+  reads it).
 - grad_buffer / hand_grad: per matrix a pinned float32 buffer that the engine writes the grad into; hand_grad
   copies it up without waiting (into param.grad, or added to the grad an earlier micro-batch left there) and
   records an event, which the buffer's next use waits for. A backward that raises after a layer's upload leaves
