@@ -38,10 +38,10 @@ def batch(seed, device):
     return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def train(model, device, steps=3, accumulation=2):
+def train(model, device, steps=3, accumulation=2, fused=None):
     """AdamW steps with clipping, each over `accumulation` micro-batches; the losses of every micro-batch."""
     model = model.to(device).train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
     losses = []
     for step in range(steps):
         for micro in range(accumulation):
@@ -167,3 +167,17 @@ def test_a_backward_that_raises_leaves_no_upload_behind(monkeypatch):
     for (name, p), q in zip(gpu.named_parameters(), ref.parameters()):
         if p.requires_grad:
             assert rel_l2(p.grad.cpu(), q.grad.cpu()) <= GPU_VS_CPU, name
+
+
+@needs_cuda
+def test_lora_a_load_put_on_the_gpu_trains_with_a_fused_optimizer(monkeypatch):
+    # PEFT's low_cpu_mem_usage load assigns the loaded tensors, GPU ones included, whatever the switch says; a fused
+    # AdamW then updates them without bumping their version counters, which the engine's copies must still see.
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
+    ref = lora_model(device=cuda)
+    gpu = lora_model(device=cuda)
+    set_peft_model_state_dict(gpu, {k: v.to(cuda) for k, v in get_peft_model_state_dict(gpu).items()},
+                              low_cpu_mem_usage=True)
+    assert all(p.device.type == "cuda" for p in expert_lora(gpu))
+    assert train(gpu, cuda, fused=True) == pytest.approx(train(ref, cuda, fused=True), rel=TRAIN_STEPS)
