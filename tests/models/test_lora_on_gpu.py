@@ -41,7 +41,7 @@ def batch(seed, device):
 def train(model, device, steps=3, accumulation=2, fused=None):
     """AdamW steps with clipping, each over `accumulation` micro-batches; the losses of every micro-batch. The
     model is moved to device unless it is there (a move puts the expert LoRA where the switch says)."""
-    if next(model.parameters()).device != device:
+    if next(model.parameters()).device.type != device.type:
         model = model.to(device)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, fused=fused)
