@@ -517,7 +517,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
         lora = self.lora_params(adapter)
-        if adapter and hidden_states.is_cuda and lora[0].device.type == "cpu" and not _lora_not_moved:
+        first = next((p for p in lora if p is not None), None)
+        if hidden_states.is_cuda and first is not None and first.device.type == "cpu" and not _lora_not_moved:
             if lora_on_gpu_wanted():  # the model reached the GPU without a .to() / .cuda() of it (a dispatch)
                 _lora_not_moved.append(True)
                 warnings.warn("kt_sft: KT_SFT_LORA_ON_GPU=1, but these experts' LoRA is in host RAM while their inputs "
