@@ -137,7 +137,7 @@ class KTExpertsLinear(KTExperts, LoraLayer):
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None) -> None:
         # PEFT's (run after a low_cpu_mem_usage load) casts the adapter to the dtype of the base layer's weight, BF16
-        # or FP8 here; the expert LoRA stays float32 in CPU RAM, where add_lora puts it.
+        # or FP8 here; the expert LoRA stays float32 where add_lora puts it (KTExperts.lora_home).
         pass
 
     def _apply(self, fn, recurse=True):

@@ -4,10 +4,13 @@ accumulation and the adapter's round trip must match the default (LoRA in CPU RA
 GPU test machine; without a CUDA device they are skipped and say so. On a CPU-only model the switch changes
 nothing (checked here everywhere)."""
 
+import collections
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
+import kt_sft.nn.experts as kt_experts
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import tiny_model
@@ -177,6 +180,9 @@ def test_lora_a_load_put_on_the_gpu_trains_with_a_fused_optimizer(monkeypatch):
     # PEFT's low_cpu_mem_usage load assigns the loaded tensors, GPU ones included, whatever the switch says; a fused
     # AdamW then updates them without bumping their version counters, which the engine's copies must still see.
     cuda = torch.device("cuda")
+    # As in a fresh process: no optimizer-step counter installed yet (the other tests here install it for good).
+    monkeypatch.setattr(kt_experts, "_step_hook", [])
+    monkeypatch.setattr(torch.optim.optimizer, "_global_optimizer_post_hooks", collections.OrderedDict())
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
     ref = lora_model(device=cuda)
     gpu = lora_model(device=cuda)
