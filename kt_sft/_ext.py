@@ -140,10 +140,14 @@ def lora_on_gpu_wanted() -> bool:
     return _switch("KT_SFT_LORA_ON_GPU")
 
 
+def switches() -> dict[str, bool]:
+    """The on/off environment variables as they read now (a bad value raises, naming it)."""
+    return {"KT_SFT_RECOMPUTE_EXPERTS": recompute_experts(), "KT_SFT_BACKWARD_COPY": backward_copy_wanted(),
+            "KT_SFT_LORA_ON_GPU": lora_on_gpu_wanted()}
+
+
 def _configure_from_env() -> None:
-    recompute_experts()  # the switches read at every call, checked here too: refused before any training runs
-    backward_copy_wanted()
-    lora_on_gpu_wanted()
+    switches()  # read at every call, checked here too: refused before any training runs
     threads = os.environ.get("KT_SFT_THREADS")
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")

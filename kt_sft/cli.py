@@ -46,10 +46,17 @@ def doctor(_args) -> int:
     print(f"engine threads   : {caps['threads']} (pinned: {caps['pinned']})")
     if _ext.settings_error is not None:
         print(f"settings         : {_ext.settings_error} The experts refuse to run until it is fixed.")
+    else:
+        print("switches         : " + ", ".join(f"{k}={int(v)}" for k, v in _ext.switches().items()))
     room = host_headroom()
     print("memory           : " + (f"{room[1] / 2**30:.1f} GiB, {room[0] / 2**30:.1f} GiB of it available to this "
                                    "process (MemAvailable, or its cgroup's limit net of its use)" if room else "unknown"))
-    print(f"GPU              : {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}")
+    if torch.cuda.is_available():  # free memory: what KT_SFT_LORA_ON_GPU's expert LoRA would be sized against
+        free, total = torch.cuda.mem_get_info(0)
+        print(f"GPU              : {torch.cuda.get_device_name(0)}, {total / 2**30:.1f} GiB, "
+              f"{free / 2**30:.1f} GiB free")
+    else:
+        print("GPU              : none")
     libraries, *notes = library_notes()
     print(f"libraries        : {libraries}")
     for note in notes:

@@ -488,10 +488,13 @@ def test_nested_engine_timers_are_exclusive(monkeypatch):
     reset_engine_seconds()
 
 
-def test_doctor_reports_what_this_machine_runs(capsys):
+def test_doctor_reports_what_this_machine_runs(capsys, monkeypatch):
     from kt_sft.cli import main
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    monkeypatch.delenv("KT_SFT_BACKWARD_COPY", raising=False)
     assert main(["doctor"]) == 0  # every machine that runs this suite can run the kernels
     out = capsys.readouterr().out
+    assert "KT_SFT_BACKWARD_COPY=0, KT_SFT_LORA_ON_GPU=1" in out
     assert f"in use: {kt_sft.capabilities()['kernels']}" in out
     assert "GiB of it available to this process" in out
     assert "libraries        : transformers " in out
