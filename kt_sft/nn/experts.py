@@ -517,9 +517,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
         lora = self.lora_params(adapter)
-        first = next((p for p in lora if p is not None), None)
-        if hidden_states.is_cuda and first is not None and first.device.type == "cpu" and not _lora_not_moved:
-            if lora_on_gpu_wanted():  # the model reached the GPU without a .to() / .cuda() of it (a dispatch)
+        if hidden_states.is_cuda and not _lora_not_moved:
+            first = next((p for p in lora if p is not None), None)
+            if first is not None and first.device.type == "cpu" and lora_on_gpu_wanted():
+                # the model reached the GPU without a .to() / .cuda() of it (a dispatch)
                 _lora_not_moved.append(True)
                 warnings.warn("kt_sft: KT_SFT_LORA_ON_GPU=1, but these experts' LoRA is in host RAM while their inputs "
                               "are on the GPU: the model did not get there by .to() / .cuda(), which moves it; call "

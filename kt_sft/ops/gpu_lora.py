@@ -38,17 +38,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the LoRA's copies to and from device run on (one per device, made at its first use)."""
+def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
+    """The stream the LoRA's copies to and from device run on (one per device, made at its first use), after the
+    work its compute stream has queued so far."""
     stream = _side_streams.get(device)
     if stream is None:
         stream = _side_streams[device] = torch.cuda.Stream(device)
-    return stream
-
-
-def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
-    """device's side stream, after the work its compute stream has queued so far."""
-    stream = side_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
 
