@@ -27,10 +27,13 @@ struct AmxTiles {
     _tile_loadconfig(&cfg);
   }
   // Tile registers 0-3 accumulate the four results, 4 and 5 hold the A operands, 6 and 7 the B operands (the
-  // intrinsics take register numbers as literals).
+  // intrinsics take register numbers as literals): one or two block columns at a time. The counts of valid A rows
+  // and B lanes go unused: the tiles are configured once, full.
+  static constexpr int kColumnBlocks = 2;
   template <class Before, class ATile, class AStride, class BTile>
-  static void block(bool i2, bool j2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
+  static void block(bool i2, int nj, int, int, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
                     long b_stride, float (*t)[TR * TR]) {
+    const bool j2 = nj == 2;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);

@@ -64,35 +64,42 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
   }
 }
 
-// The tile unit's 32×32 result block (tile_body.h's `Tiles::block`) on vdpbf16ps, for CPUs with AVX-512 BF16
-// and no AMX: the result's rows are taken RB at a time, each row's 16 (one block column) or 32 (both) sums held
-// in registers over the whole reduction; each A row's BF16 pairs are broadcast against B's pair-rows, 16
-// products per instruction as the tile unit forms them (pairs summed in float32). RB · NJ = 16 sums in flight
-// hide the instruction's latency where two issue per cycle (Zen 5), and A, B and the sums are each read or
-// written once per reduction block instead of the sums going through memory at every step.
+// The tile unit's result blocks (tile_body.h's `Tiles::block`) on vdpbf16ps, for CPUs with AVX-512 BF16 and no
+// AMX: the result's rows are taken RB at a time, each row's sums for the block's one to three block columns held in
+// registers over the whole reduction; each A row's BF16 pairs are broadcast against B's pair-rows, 16 products
+// per instruction as the tile unit forms them (pairs summed in float32). 16 to 24 sums in flight hide the
+// instruction's latency where two issue per cycle (Zen 5), and A, B and the sums are each read or written once
+// per reduction block instead of the sums going through memory at every step.
+// Padding costs what it spares, since an expert's rows rarely fill its last tile (Layer Q at T = 512: 32 rows per
+// expert on average):
+// - A last odd block column joins the pair before it (kColumnBlocks = 3): alone, each of its products needed a
+//   broadcast of its own, and ran at ~60% of a pair's rate per product (Zen 4, `tnt` in BENCHMARKS.md).
+// - A last block column with at most 8 valid lanes (in column order) runs on 256-bit registers: Zen 4 splits a
+//   512-bit vdpbf16ps in two and issues the 256-bit one twice as often, so those lanes cost half there.
+// - Groups of RB rows past the block's valid A rows are not computed.
 struct Bf16Tiles {
+  static constexpr int kColumnBlocks = 3;
   static void begin() {}
   template <class Before, class ATile, class AStride, class BTile>
-  static void block(bool i2, bool j2, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
-                    long b_stride, float (*t)[TR * TR]) {
+  static void block(bool i2, int nj, int a_rows, int last_lanes, int KC, Before before, ATile a_tile,
+                    AStride a_stride, BTile b_tile, long b_stride, float (*t)[TR * TR]) {
     thread_local std::vector<Step> steps;
     steps.resize(KC);
-    const int nj = j2 ? 2 : 1, rb = TR / nj;
     for (int kc = 0; kc < KC; ++kc)
       for (int dj = 0; dj < nj; ++dj) steps[kc].b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
-    for (int r0 = 0; r0 < (i2 ? 2 * TR : TR); r0 += rb) {
+    const int rb = nj == 1 ? TR : 8, rows = i2 ? 2 * TR : TR;
+    const bool half = last_lanes <= 8;
+    for (int r0 = 0; r0 < std::min(rows, a_rows); r0 += rb) {
       const int di = r0 / TR;
       for (int kc = 0; kc < KC; ++kc) {
         steps[kc].as = a_stride(kc);
         steps[kc].a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * steps[kc].as;
       }
-      alignas(64) float sums[TR][TR] = {};
-      // A rows a multiple of 4 KB apart (weights read in place at H or I = 2048, decoded panels of K = 2048) lie in
-      // one L1 set: their pairs are broadcast from a staged copy then (sum_steps' STAGE).
+      alignas(64) float sums[kMaxSums][TR] = {};
+      // A rows a multiple of 4 KB apart (weights read in place at H or I = 2048, decoded panels of K = 2048) lie
+      // in one L1 set: their pairs are broadcast from a staged copy then (sum_steps' STAGE).
       auto run = [&](int kc, int n) {
-        const bool stage = steps[kc].as % 4096 == 0;
-        (j2 ? (stage ? sum_steps<2, true> : sum_steps<2, false>) : (stage ? sum_steps<1, true> : sum_steps<1, false>))(
-            steps.data() + kc, n, b_stride, sums[0]);
+        kSumSteps[nj - 1][steps[kc].as % 4096 == 0][half](steps.data() + kc, n, b_stride, sums[0]);
       };
       if (r0 == 0)  // before(kc) first packs or requests what step kc reads
         for (int kc = 0; kc < KC; ++kc) {
@@ -103,31 +110,38 @@ struct Bf16Tiles {
         run(0, KC);
       for (int r = 0; r < rb; ++r)
         for (int dj = 0; dj < nj; ++dj)
-          std::memcpy(t[2 * di + dj] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
+          std::memcpy(t[result_tile(di, dj)] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
     }
+    for (int r = a_rows; r < rows; ++r)  // rows left out: zeros, which `put` does not store
+      for (int dj = 0; dj < nj; ++dj) std::memset(t[result_tile(r / TR, dj)] + (r % TR) * TR, 0, TR * sizeof(float));
   }
 
  private:
+  static constexpr int kMaxSums = 8 * 3;  // RB · NJ: 16 rows × 1 block column, 8 × 2 or 8 × 3
   // One reduction block: A's RB rows from a, `as` bytes apart; the block columns' B operands.
   struct Step {
     const char* a;
     long as;
-    const char* b[2];
+    const char* b[3];
   };
-  // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj. A leaf of its own, so that the sums'
+  // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj; with HALF, the last block column's first 8
+  // lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its own, so that the sums'
   // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
   // stack in some callers and ran the products 2-3x slower). With STAGE, each step's RB A lines are first copied
   // into a contiguous buffer, the next step's while this one computes: rows in one L1 set (8 ways on Zen 4) evict
   // one another between the 16 broadcasts that read each line, and Layer Q's forward products (weight rows 4 KB
   // apart) ran ~10% slower on Zen 4 than at H = 2016 until staged (BENCHMARKS.md).
-  template <int NJ, bool STAGE>
+  template <int NJ, bool STAGE, bool HALF>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
-    constexpr int RB = TR / NJ;
-    __m512 v[RB][NJ];
+    constexpr int RB = NJ == 1 ? TR : 8, NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
+    __m512 v[RB][NF > 0 ? NF : 1];
+    __m256 h[RB];
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 2
-      for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
+    for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 3
+      for (int dj = 0; dj < NF; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
+      if constexpr (HALF) h[r] = _mm256_load_ps(sums + (r * NJ + NJ - 1) * TR);
+    }
     alignas(64) char stage[2][RB][TBYTES];
     auto copy_a = [&](int k) {
 #pragma GCC unroll 16
@@ -139,25 +153,38 @@ struct Bf16Tiles {
       const char* a = STAGE ? stage[k & 1][0] : st[k].a;
       const long as = STAGE ? TBYTES : st[k].as;
       for (int p = 0; p < TR; ++p) {
-        __m512bh bp[NJ];
-#pragma GCC unroll 2
-        for (int dj = 0; dj < NJ; ++dj)
+        __m512bh bp[NF > 0 ? NF : 1];
+#pragma GCC unroll 3
+        for (int dj = 0; dj < NF; ++dj)
           bp[dj] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(st[k].b[dj] + p * b_stride));
+        __m256bh bh;
+        if constexpr (HALF)
+          bh = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st[k].b[NJ - 1] + p * b_stride)));
 #pragma GCC unroll 16
         for (int r = 0; r < RB; ++r) {
           int pair;
           std::memcpy(&pair, a + r * as + 4 * p, 4);
-          const __m512bh ap = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-#pragma GCC unroll 2
-          for (int dj = 0; dj < NJ; ++dj) v[r][dj] = _mm512_dpbf16_ps(v[r][dj], ap, bp[dj]);
+          const __m512i ap = _mm512_set1_epi32(pair);
+#pragma GCC unroll 3
+          for (int dj = 0; dj < NF; ++dj) v[r][dj] = _mm512_dpbf16_ps(v[r][dj], reinterpret_cast<__m512bh>(ap), bp[dj]);
+          if constexpr (HALF)
+            h[r] = _mm256_dpbf16_ps(h[r], reinterpret_cast<__m256bh>(_mm512_castsi512_si256(ap)), bh);
         }
       }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 2
-      for (int dj = 0; dj < NJ; ++dj) _mm512_store_ps(sums + (r * NJ + dj) * TR, v[r][dj]);
+    for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 3
+      for (int dj = 0; dj < NF; ++dj) _mm512_store_ps(sums + (r * NJ + dj) * TR, v[r][dj]);
+      if constexpr (HALF) _mm256_store_ps(sums + (r * NJ + NJ - 1) * TR, h[r]);
+    }
   }
+  using SumSteps = void (*)(const Step*, int, long, float*);
+  // [NJ - 1][STAGE][HALF]
+  static constexpr SumSteps kSumSteps[3][2][2] = {
+      {{sum_steps<1, false, false>, sum_steps<1, false, true>}, {sum_steps<1, true, false>, sum_steps<1, true, true>}},
+      {{sum_steps<2, false, false>, sum_steps<2, false, true>}, {sum_steps<2, true, false>, sum_steps<2, true, true>}},
+      {{sum_steps<3, false, false>, sum_steps<3, false, true>}, {sum_steps<3, true, false>, sum_steps<3, true, true>}}};
 };
 
 }  // namespace

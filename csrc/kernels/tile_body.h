@@ -3,11 +3,11 @@
 // BF16), which every CPU with either has. Include after simd_avx512.h and kernel_body.h (widen_row decodes
 // weight rows).
 //
-// Tiles::block computes a 2×2 block of 16×16 float32 results (tile q = block (q/2, q%2)) from the A operands
-// of its two block rows (16 rows × 32 BF16 per reduction block) and the B operands of its two block columns (16
-// pairs of k × 16 columns × 2), one pass over K; every output element is reduced in one fixed order (32-column
-// reduction blocks in turn, BF16 pairs summed in float32 as the tile unit does), whatever the thread that
-// computes it.
+// Tiles::block computes a block of up to 2×2 16×16 float32 results (2×3 on the emulated tiles; result_tile
+// places them) from the A operands of its block rows (16 rows × 32 BF16 per reduction block) and the B operands
+// of its block columns (16 pairs of k × 16 columns × 2), one pass over K; every output element is reduced in one
+// fixed order (32-column reduction blocks in turn, BF16 pairs summed in float32 as the tile unit does), whatever
+// the thread that computes it and whatever block it falls in.
 //
 // Dot form (x·Wᵀ) runs transposed: the weight rows are the A operand, loaded in place from the expert's
 // BF16 rows (or from a decoded panel), and the activations, packed once per call in the nt layout, are the
@@ -260,42 +260,61 @@ inline void unpair_columns(float* t0, float* t1) {
   }
 }
 
-// The 2×2 block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
+// Where tile_blocks keeps result tile (di, dj) of a block: 2·di + dj for the first two block columns (the tile
+// unit's four), 4 + di for a third.
+inline int result_tile(int di, int dj) { return dj < 2 ? 2 * di + dj : 4 + di; }
+
+// Block columns that tile_blocks' pass from block column j of JB takes: two, the last one alone, or where the
+// policy takes three (Tiles::kColumnBlocks), the last three together; and how many passes that makes.
+template <class Tiles>
+int column_pass(int j, int JB) {
+  return JB - j == 3 && Tiles::kColumnBlocks >= 3 ? 3 : std::min(2, JB - j);
+}
+template <class Tiles>
+long column_passes(int JB) {
+  return JB >= 3 && JB % 2 && Tiles::kColumnBlocks >= 3 ? (JB - 1) / 2 : (JB + 1) / 2;
+}
+
+// The block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
 // block-column j of reduction block kc, with their row strides in bytes (A's per reduction block: a_stride(kc));
 // tile (i, j) of the result covers rows i·16.. and columns j·16.. of the product A·B, which `put(i, j, t)`
 // stores. make_b(j, kc) runs before B tile (j, kc) is first loaded (during the first block row), so a B operand
 // packed on the way overlaps its memory reads with the tile products of the previous tiles. ahead(i, step, steps) runs at
 // each of the `steps` reduction steps of block row pair i, so that A operands read from memory can be
-// requested a block row pair ahead, spread over the time its tile products take. Each 32×32 result block is
-// the policy's `Tiles::block`, which calls before(kc) ahead of its first use of reduction block kc's operands.
+// requested a block row pair ahead, spread over the time its tile products take. Each block of two block rows by
+// column_pass's block columns is the policy's `Tiles::block`, which calls before(kc) ahead of its first use of
+// reduction block kc's operands.
 // With `unpacked_pairs`, the B operand of a pair of block columns holds their 32 columns in the order
-// unpack_pair stores them, and each result tile pair is put back in column order (unpair_columns) before `put`.
+// unpack_pair stores them, and each result tile pair is put back in column order (unpair_columns) before `put`;
+// a block column that is not part of a pair (the last of an odd count) holds its columns in order.
+// Of the A rows and B columns the tiles cover, the first `rows` and `cols` hold data (the rest is padding, whose
+// results `put` does not store): each block is told how many of its A rows do (`a_rows`) and, where its last
+// block column's lanes are in column order, how many of them (`last_lanes`, else 16), so that a policy may
+// leave the others' products out.
 template <class Tiles, class ATile, class AStride, class BTile, class MakeB, class Ahead, class Put>
-void tile_blocks(int IB, int JB, int KC, AStride a_stride, long b_stride, ATile a_tile, BTile b_tile, MakeB make_b,
-                 Ahead ahead, Put put, bool unpacked_pairs = false) {
-  alignas(64) float t[4][TR * TR];
+void tile_blocks(int IB, int JB, long rows, long cols, int KC, AStride a_stride, long b_stride, ATile a_tile,
+                 BTile b_tile, MakeB make_b, Ahead ahead, Put put, bool unpacked_pairs = false) {
+  alignas(64) float t[6][TR * TR];
   Tiles::begin();
-  const long steps = long((JB + 1) / 2) * KC;
+  const long steps = column_passes<Tiles>(JB) * KC;
   for (int i = 0; i < IB; i += 2) {
     const bool i2 = i + 1 < IB;
-    for (int j = 0; j < JB; j += 2) {
-      const bool j2 = j + 1 < JB;
+    for (int j = 0, nj; j < JB; j += nj) {
+      nj = column_pass<Tiles>(j, JB);
       auto before = [&](int kc) {
         ahead(i, long(j / 2) * KC + kc, steps);
-        if (i == 0) {
-          make_b(j, kc);
-          if (j2) make_b(j + 1, kc);
-        }
+        if (i == 0)
+          for (int dj = 0; dj < nj; ++dj) make_b(j + dj, kc);
       };
+      const int a_rows = int(std::min<long>(2 * TR, rows - long(i) * TR));
+      const bool in_order = !(unpacked_pairs && nj == 2);
+      const int last_lanes = in_order ? int(std::min<long>(TR, cols - long(j + nj - 1) * TR)) : TR;
       Tiles::block(
-          i2, j2, KC, before, [&](int di, int kc) { return a_tile(i + di, kc); }, a_stride,
+          i2, nj, a_rows, last_lanes, KC, before, [&](int di, int kc) { return a_tile(i + di, kc); }, a_stride,
           [&](int dj, int kc) { return b_tile(j + dj, kc); }, b_stride, t);
-      if (unpacked_pairs && j2)
-        for (int di = 0; di < (i2 ? 2 : 1); ++di) unpair_columns(t[2 * di], t[2 * di + 1]);
-      for (int q = 0; q < 4; ++q) {
-        const int di = q / 2, dj = q % 2;
-        if ((di && !i2) || (dj && !j2)) continue;
-        put(i + di, j + dj, t[q]);
+      for (int di = 0; di < (i2 ? 2 : 1); ++di) {
+        if (unpacked_pairs && nj >= 2) unpair_columns(t[result_tile(di, 0)], t[result_tile(di, 1)]);
+        for (int dj = 0; dj < nj; ++dj) put(i + di, j + dj, t[result_tile(di, dj)]);
       }
     }
   }
@@ -344,7 +363,7 @@ void tile_nt(const TileNT<TB>& g) {
       request_line(reinterpret_cast<const char*>(w + (long(next) * TR + l / row_lines) * ldw) + (l % row_lines) * 64);
   };
   tile_blocks<Tiles>(
-      IB, int(kt::tile_rows(g.M) / TR), KC, [&](int kc) { return (kc < KW ? ldw : ldf) * 2; }, TBYTES,
+      IB, int(kt::tile_rows(g.M) / TR), g.N, g.M, KC, [&](int kc) { return (kc < KW ? ldw : ldf) * 2; }, TBYTES,
       [&](int i, int kc) {
         return kc < KW ? w + long(i) * TR * ldw + kc * TC : f32_panel.data() + long(i) * TR * ldf + (kc - KW) * TC;
       },
@@ -500,15 +519,15 @@ void tile_nn(const TileNN<TB>& g) {
   // The next product's weight rows (g.next) are requested into L2 while this one computes, spread over the
   // steps of all its chunks.
   const int IB = int(kt::tile_rows(g.M) / TR), JB = int(np / TR);
-  const long pair_steps = long((JB + 1) / 2), total = long((IB + 1) / 2) * pair_steps * KC;
+  const long passes = column_passes<Tiles>(JB), total = long((IB + 1) / 2) * passes * KC;
   auto ahead = [&](int i, long step, long steps) {
-    request_share(g.next, long((IB + 1) / 2) * pair_steps * c0 + long(i / 2) * steps + step, total);
+    request_share(g.next, long((IB + 1) / 2) * passes * c0 + long(i / 2) * steps + step, total);
   };
   for (; c0 < KC; c0 += CH) {
     ch = std::min(CH, KC - c0);
     cs = column_stride();
     tile_blocks<Tiles>(
-        IB, JB, ch, [&](int kc) { return segment_of(c0 + kc).ld * 2; }, TBYTES,
+        IB, JB, g.M, g.N, ch, [&](int kc) { return segment_of(c0 + kc).ld * 2; }, TBYTES,
         [&](int i, int kc) {
           const Segment& s = segment_of(c0 + kc);
           return s.a + long(i) * TR * s.ld + long(c0 + kc - s.kc0) * TC;
