@@ -3,7 +3,9 @@ or of a Moonlight-16B-A3B-shaped one (--arch moonlight: DeepSeek-V3's architectu
 layer MoE), at --seq tokens, routed experts on the CPU engine and the rest on the GPU (kt), or everything on the
 GPU with stock transformers + PEFT (gpu; LoRA on attention only, since PEFT has no practical LoRA on fused
 experts): the all-GPU upper bound for scale. Prints tokens/s, GPU memory, host RSS and the step split.
---no-shared-overlap runs a Moonlight block's shared experts after the engine instead of beside it.
+--no-shared-overlap runs a Moonlight block's shared experts after the engine instead of beside it;
+--no-checkpointing keeps every layer's activations on the GPU instead of recomputing them (the engine's kept first
+pass makes the recompute's expert forward free, but attention's runs twice and Python queues it twice).
 
   python benchmarks/bench_model.py --mode kt --layers 4 --seq 2048
   python benchmarks/bench_model.py --mode gpu --layers 4 --seq 2048
@@ -77,6 +79,9 @@ def main():
     ap.add_argument("--mode", choices=("kt", "gpu"), default="kt")
     ap.add_argument("--arch", choices=tuple(ARCHS), default="qwen3")
     ap.add_argument("--no-shared-overlap", action="store_true")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="keep every layer's activations (LLaMA-Factory's `disable_gradient_checkpointing: true`) "
+                         "instead of reentrant checkpointing, its default")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=4)
@@ -102,7 +107,8 @@ def main():
             for overlap in installed_overlaps(model):
                 overlap.remove()
     model = model.to("cuda")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     model.enable_input_require_grads()
     model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
@@ -119,7 +125,7 @@ def main():
             allocator = torch.cuda.memory_stats()
         reset_engine_seconds()
         starts.append(time.perf_counter())
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
