@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include <stdexcept>
 #include <string>
 #include <vector>
 

@@ -70,10 +70,11 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 // per instruction as the tile unit forms them (pairs summed in float32). 16 to 24 sums in flight hide the
 // instruction's latency where two issue per cycle (Zen 5), and A, B and the sums are each read or written once
 // per reduction block instead of the sums going through memory at every step.
-// Padding costs what it spares, since an expert's rows rarely fill its last tile (Layer Q at T = 512: 32 rows per
-// expert on average):
+// Padding would cost as much as real rows and columns, and an expert's rows rarely fill its last tile (Layer Q at
+// T = 512: 32 rows per expert on average), so:
 // - A last odd block column joins the pair before it (kColumnBlocks = 3): alone, each of its products needed a
-//   broadcast of its own, and ran at ~60% of a pair's rate per product (Zen 4, `tnt` in BENCHMARKS.md).
+//   broadcast of its own, and ran at ~60% of a pair's rate per product (Zen 4, `tile_bench`; BENCHMARKS.md,
+//   "The emulated tiles' last block column").
 // - A last block column with at most 8 valid lanes (in column order) runs on 256-bit registers: Zen 4 splits a
 //   512-bit vdpbf16ps in two and issues the 256-bit one twice as often, so those lanes cost half there.
 // - Groups of RB rows past the block's valid A rows are not computed.
@@ -160,8 +161,10 @@ struct Bf16Tiles {
         for (int dj = 0; dj < NF; ++dj)
           bp[dj] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(st[k].b[dj] + p * b_stride));
         __m256bh bh;
-        if constexpr (HALF)
-          bh = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st[k].b[NJ - 1] + p * b_stride)));
+        if constexpr (HALF) {
+          const char* last = st[k].b[NJ - 1] + p * b_stride;
+          bh = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last)));
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < RB; ++r) {
           int pair;

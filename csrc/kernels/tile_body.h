@@ -272,7 +272,9 @@ int column_pass(int j, int JB) {
 }
 template <class Tiles>
 long column_passes(int JB) {
-  return JB >= 3 && JB % 2 && Tiles::kColumnBlocks >= 3 ? (JB - 1) / 2 : (JB + 1) / 2;
+  long n = 0;
+  for (int j = 0; j < JB; j += column_pass<Tiles>(j, JB)) ++n;
+  return n;
 }
 
 // The block loop shared by both forms. a_tile(i, kc) / b_tile(j, kc) point at A block-row i and B
@@ -387,7 +389,8 @@ template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
   // With the weights' B operand packed ahead (g.packed), block columns go in pairs to the end, as that copy
-  // stores them: the panel of the other segments then has the same order, and tiles past N are not put.
+  // stores them: the panel of the other segments then has the same order, and tiles past N are not put. (An even
+  // count: tile_blocks takes a lone or third block column's lanes to be in column order.)
   const bool prepacked = g.packed[0] != nullptr;
   const long np = prepacked ? (g.N + TC - 1) / TC * TC : kt::tile_rows(g.N);
   // Reduction segments in panel order: source 0 is (a, b), 1 `second`, 2 and 3 `f32`.
