@@ -159,6 +159,19 @@ def test_bf16_activations_on_tiles(tiles, shape):
           for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
 
 
+# Every row count of one expert from a lone block column to two pairs: the emulated tiles take a last odd block
+# column together with the pair before it, and a last one of at most 8 valid lanes (the forward's activation
+# rows) on 256-bit registers, and leave out row groups past the valid ones (the backward's). H = 40 and I = 44
+# give the backward's weight panels such a last block column too (8 and 12 of its 16 columns valid).
+@pytest.mark.parametrize("rows", [8, 12, 17, 24, 32, 33, 40, 48, 56])
+def test_partly_filled_tiles(tiles, rows):
+    shape = Shape(f"rows_{rows}", T=rows, H=40, I=44, E=2, K=1, r=4, routing="one")
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
+
+
 @pytest.mark.parametrize("T", [1, 2])
 def test_bf16_decode_on_tiles(tiles, T):
     # BF16 inference takes tiles from one row per expert; experts of at most two rows take gate's and up's LoRA
