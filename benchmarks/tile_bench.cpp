@@ -1,8 +1,9 @@
 // One tile product of one expert timed on one thread, its BF16 weights hot in the caches: the rate of the tile
 // kernels themselves at a given number of activation rows M (an expert's tokens), apart from memory and
 // threads. `nt` is the forward's dot form (x·Wᵀ, W [N, K] read in place), `nn` the backward's axpy form (dy·W,
-// W [K, N] packed into a panel on the way). Each M prints the median call and GFLOP/s over its M rows; rows that
-// leave the last 16-row tile part empty show what padding costs.
+// W [K, N] packed into a panel on the way), `nnp` the same with W packed ahead as the backward copy stores it
+// (moe/backward_copy.h): nn against nnp is what packing the panel costs. Each M prints the median call and GFLOP/s
+// over its M rows; rows that leave the last 16-row tile part empty show what padding costs.
 //   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
 //         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench tile_bench   (one command)
 //   taskset -c 1 build/bench/tile_bench nt 1536 2048 16,24,32,36,40,48 [reps]    (Layer Q's gate/up)
@@ -21,21 +22,33 @@ using namespace kt;
 
 int main(int argc, char** argv) {
   if (argc < 5) {
-    std::fprintf(stderr, "usage: tile_bench nt|nn N K M[,M...] [reps]\n");
+    std::fprintf(stderr, "usage: tile_bench nt|nn|nnp N K M[,M...] [reps]\n");
     return 2;
   }
   const std::string form = argv[1];
   const int N = std::atoi(argv[2]), K = std::atoi(argv[3]), reps = argc > 5 ? std::atoi(argv[5]) : 200;
   const char* want = std::getenv("KT_SFT_KERNELS");
   const KernelSet& ks = select_kernels(want ? want : "");
-  if (!ks.tiles || (form != "nt" && form != "nn")) {
-    std::fprintf(stderr, "kernel set %s has no tile products, or the form is not nt|nn\n", ks.name);
+  if (!ks.tiles || (form != "nt" && form != "nn" && form != "nnp")) {
+    std::fprintf(stderr, "kernel set %s has no tile products, or the form is not nt|nn|nnp\n", ks.name);
     return 2;
   }
   std::mt19937 rng(0);
   std::uniform_real_distribution<float> value(-0.1f, 0.1f);
   std::vector<bf16> w(long(N) * K);
   for (auto& x : w) x = f32_to_bf16(value(rng));
+  // W [K, N] in the backward copy's layout: tile (j, kc) of 512 BF16, its row q rows 32·kc + 2q and + 1
+  // interleaved over block column j's 16 columns, a pair of block columns in unpack_pair's column order.
+  const long kblocks = (K + 31) / 32, jblocks = 2 * ((N + 31) / 32);
+  std::vector<bf16> packed(form == "nnp" ? jblocks * kblocks * 512 : 0);
+  for (long j = 0; j < jblocks && form == "nnp"; ++j)
+    for (long kc = 0; kc < kblocks; ++kc)
+      for (int q = 0; q < 16; ++q)
+        for (int slot = 0; slot < 16; ++slot)
+          for (int half = 0; half < 2; ++half) {
+            const long k = 32 * kc + 2 * q + half, n = 32 * (j / 2) + 8 * (slot / 4) + 4 * (j % 2) + slot % 4;
+            packed[(j * kblocks + kc) * 512 + q * 32 + 2 * slot + half] = k < K && n < N ? w[k * N + n] : bf16(0);
+          }
   std::printf("%s, N=%d K=%d, kernels %s, one thread, median of %d calls\n", form.c_str(), N, K, ks.name, reps);
   for (std::string list = argv[4]; !list.empty();) {
     const size_t comma = list.find(',');
@@ -58,6 +71,7 @@ int main(int argc, char** argv) {
         TileNN<bf16> g{};
         g.M = M, g.N = N, g.K = K, g.a = a.data(), g.c = c.data(), g.ldc = N, g.b_off = 0;
         g.b.base = w.data(), g.b.ld = N;
+        if (form == "nnp") g.packed[0] = packed.data(), g.packed_blocks = kblocks;
         ks.tiles->nn_bf16(g);
       }
     };
