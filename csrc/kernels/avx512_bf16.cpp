@@ -98,9 +98,11 @@ struct Bf16Tiles {
       }
       alignas(64) float sums[kMaxSums][TR] = {};
       // A rows a multiple of 4 KB apart (weights read in place at H or I = 2048, decoded panels of K = 2048) lie
-      // in one L1 set: their pairs are broadcast from a staged copy then (sum_steps' STAGE).
+      // in one L1 set: 16 of them (one block column) are broadcast from a staged copy then (sum_steps' STAGE).
+      // 8 fit the set's 8 ways (Zen 4), and staging them made Layer Q's gate/up 5-9% slower (BENCHMARKS.md).
       auto run = [&](int kc, int n) {
-        kSumSteps[nj - 1][steps[kc].as % 4096 == 0][half](steps.data() + kc, n, b_stride, sums[0]);
+        const bool stage = nj == 1 && steps[kc].as % 4096 == 0;
+        (stage ? kStaged[half] : kSumSteps[nj - 1][half])(steps.data() + kc, n, b_stride, sums[0]);
       };
       if (r0 == 0)  // before(kc) first packs or requests what step kc reads
         for (int kc = 0; kc < KC; ++kc) {
@@ -131,9 +133,9 @@ struct Bf16Tiles {
   // lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its own, so that the sums'
   // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
   // stack in some callers and ran the products 2-3x slower). With STAGE, each step's RB A lines are first copied
-  // into a contiguous buffer, the next step's while this one computes: rows in one L1 set (8 ways on Zen 4) evict
-  // one another between the 16 broadcasts that read each line, and Layer Q's forward products (weight rows 4 KB
-  // apart) ran ~10% slower on Zen 4 than at H = 2016 until staged (BENCHMARKS.md).
+  // into a contiguous buffer, the next step's while this one computes: 16 rows in one L1 set (8 ways on Zen 4)
+  // evict one another between the 16 broadcasts that read each line, and Layer Q's forward products (weight rows
+  // 4 KB apart, then 16 rows per pass) ran ~10% slower on Zen 4 than at H = 2016 until staged (BENCHMARKS.md).
   template <int NJ, bool STAGE, bool HALF>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
     constexpr int RB = NJ == 1 ? TR : 8, NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
@@ -185,11 +187,11 @@ struct Bf16Tiles {
     }
   }
   using SumSteps = void (*)(const Step*, int, long, float*);
-  // [NJ - 1][STAGE][HALF]
-  static constexpr SumSteps kSumSteps[3][2][2] = {
-      {{sum_steps<1, false, false>, sum_steps<1, false, true>}, {sum_steps<1, true, false>, sum_steps<1, true, true>}},
-      {{sum_steps<2, false, false>, sum_steps<2, false, true>}, {sum_steps<2, true, false>, sum_steps<2, true, true>}},
-      {{sum_steps<3, false, false>, sum_steps<3, false, true>}, {sum_steps<3, true, false>, sum_steps<3, true, true>}}};
+  // [NJ - 1][HALF], and one block column's with STAGE [HALF]
+  static constexpr SumSteps kSumSteps[3][2] = {{sum_steps<1, false, false>, sum_steps<1, false, true>},
+                                                {sum_steps<2, false, false>, sum_steps<2, false, true>},
+                                                {sum_steps<3, false, false>, sum_steps<3, false, true>}};
+  static constexpr SumSteps kStaged[2] = {sum_steps<1, true, false>, sum_steps<1, true, true>};
 };
 
 }  // namespace
