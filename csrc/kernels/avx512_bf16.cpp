@@ -65,11 +65,14 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 }
 
 // The tile unit's result blocks (tile_body.h's `Tiles::block`) on vdpbf16ps, for CPUs with AVX-512 BF16 and no
-// AMX: the result's rows are taken RB at a time, each row's sums for the block's one to three block columns held in
+// AMX: the result's rows are taken 8 at a time, each row's sums for the block's one to three block columns held in
 // registers over the whole reduction; each A row's BF16 pairs are broadcast against B's pair-rows, 16 products
-// per instruction as the tile unit forms them (pairs summed in float32). 16 to 24 sums in flight hide the
-// instruction's latency where two issue per cycle (Zen 5), and A, B and the sums are each read or written once
-// per reduction block instead of the sums going through memory at every step.
+// per instruction as the tile unit forms them (pairs summed in float32). 8 to 24 sums in flight hide the
+// instruction's latency, and A, B and the sums are each read or written once per reduction block instead of the
+// sums going through memory at every step. A rows 4 KB apart (weights read in place at H = 2048, decoded panels of
+// K = 2048) lie in one L1 set, whose 8 ways (Zen 4) hold a pass's 8 lines; passes of 16 rows had to broadcast them
+// from a staged copy (~10% slower without), and were 20-23% slower with it than two passes of 8 at a lone block
+// column (`tile_bench nt 1536 2048 8,12,16`), as the copy made pairs 5-9% slower (BENCHMARKS.md).
 // Padding would cost as much as real rows and columns, and an expert's rows rarely fill its last tile (Layer Q at
 // T = 512: 32 rows per expert on average), so:
 // - A last odd block column joins the pair before it (kColumnBlocks = 3): alone, each of its products needed a
@@ -77,7 +80,7 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 //   "The emulated tiles' last block column").
 // - A last block column with at most 8 valid lanes (in column order) runs on 256-bit registers: Zen 4 splits a
 //   512-bit vdpbf16ps in two and issues the 256-bit one twice as often, so those lanes cost half there.
-// - Groups of RB rows past the block's valid A rows are not computed.
+// - Groups of 8 rows past the block's valid A rows are not computed.
 struct Bf16Tiles {
   static constexpr int kColumnBlocks = 3;
   static void begin() {}
@@ -88,30 +91,23 @@ struct Bf16Tiles {
     steps.resize(KC);
     for (int kc = 0; kc < KC; ++kc)
       for (int dj = 0; dj < nj; ++dj) steps[kc].b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
-    const int rb = nj == 1 ? TR : 8, rows = i2 ? 2 * TR : TR;
-    const bool half = last_lanes <= 8;
-    for (int r0 = 0; r0 < std::min(rows, a_rows); r0 += rb) {
+    const int rows = i2 ? 2 * TR : TR;
+    const auto sum_steps = kSumSteps[nj - 1][last_lanes <= 8];
+    for (int r0 = 0; r0 < std::min(rows, a_rows); r0 += RB) {
       const int di = r0 / TR;
       for (int kc = 0; kc < KC; ++kc) {
         steps[kc].as = a_stride(kc);
         steps[kc].a = reinterpret_cast<const char*>(a_tile(di, kc)) + (r0 % TR) * steps[kc].as;
       }
-      alignas(64) float sums[kMaxSums][TR] = {};
-      // A rows a multiple of 4 KB apart (weights read in place at H or I = 2048, decoded panels of K = 2048) lie
-      // in one L1 set: 16 of them (one block column) are broadcast from a staged copy then (sum_steps' STAGE).
-      // 8 fit the set's 8 ways (Zen 4), and staging them made Layer Q's gate/up 5-9% slower (BENCHMARKS.md).
-      auto run = [&](int kc, int n) {
-        const bool stage = nj == 1 && steps[kc].as % 4096 == 0;
-        (stage ? kStaged[half] : kSumSteps[nj - 1][half])(steps.data() + kc, n, b_stride, sums[0]);
-      };
+      alignas(64) float sums[RB * 3][TR] = {};
       if (r0 == 0)  // before(kc) first packs or requests what step kc reads
         for (int kc = 0; kc < KC; ++kc) {
           before(kc);
-          run(kc, 1);
+          sum_steps(steps.data() + kc, 1, b_stride, sums[0]);
         }
       else
-        run(0, KC);
-      for (int r = 0; r < rb; ++r)
+        sum_steps(steps.data(), KC, b_stride, sums[0]);
+      for (int r = 0; r < RB; ++r)
         for (int dj = 0; dj < nj; ++dj)
           std::memcpy(t[result_tile(di, dj)] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
     }
@@ -120,7 +116,7 @@ struct Bf16Tiles {
   }
 
  private:
-  static constexpr int kMaxSums = 8 * 3;  // RB · NJ: 16 rows × 1 block column, 8 × 2 or 8 × 3
+  static constexpr int RB = 8;  // A rows per pass
   // One reduction block: A's RB rows from a, `as` bytes apart; the block columns' B operands. A line each: at 40
   // bytes apart the backward's products ran ~4% slower on Zen 4 (`tile_bench nn 2048 768 16`: 420 against 404-408
   // us).
@@ -132,31 +128,21 @@ struct Bf16Tiles {
   // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj; with HALF, the last block column's first 8
   // lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its own, so that the sums'
   // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
-  // stack in some callers and ran the products 2-3x slower). With STAGE, each step's RB A lines are first copied
-  // into a contiguous buffer, the next step's while this one computes: 16 rows in one L1 set (8 ways on Zen 4)
-  // evict one another between the 16 broadcasts that read each line, and Layer Q's forward products (weight rows
-  // 4 KB apart, then 16 rows per pass) ran ~10% slower on Zen 4 than at H = 2016 until staged (BENCHMARKS.md).
-  template <int NJ, bool STAGE, bool HALF>
+  // stack in some callers and ran the products 2-3x slower).
+  template <int NJ, bool HALF>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
-    constexpr int RB = NJ == 1 ? TR : 8, NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
+    constexpr int NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
     __m512 v[RB][NF > 0 ? NF : 1];
     __m256 h[RB];
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
 #pragma GCC unroll 3
       for (int dj = 0; dj < NF; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
       if constexpr (HALF) h[r] = _mm256_load_ps(sums + (r * NJ + NJ - 1) * TR);
     }
-    alignas(64) char stage[2][RB][TBYTES];
-    auto copy_a = [&](int k) {
-#pragma GCC unroll 16
-      for (int r = 0; r < RB; ++r) _mm512_store_si512(stage[k & 1][r], _mm512_loadu_si512(st[k].a + r * st[k].as));
-    };
-    if (STAGE) copy_a(0);
     for (int k = 0; k < n; ++k) {
-      if (STAGE && k + 1 < n) copy_a(k + 1);
-      const char* a = STAGE ? stage[k & 1][0] : st[k].a;
-      const long as = STAGE ? TBYTES : st[k].as;
+      const char* a = st[k].a;
+      const long as = st[k].as;
       for (int p = 0; p < TR; ++p) {
         __m512bh bp[NF > 0 ? NF : 1];
 #pragma GCC unroll 3
@@ -167,7 +153,7 @@ struct Bf16Tiles {
           const char* last = st[k].b[NJ - 1] + p * b_stride;
           bh = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last)));
         }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
         for (int r = 0; r < RB; ++r) {
           int pair;
           std::memcpy(&pair, a + r * as + 4 * p, 4);
@@ -179,7 +165,7 @@ struct Bf16Tiles {
         }
       }
     }
-#pragma GCC unroll 16
+#pragma GCC unroll 8
     for (int r = 0; r < RB; ++r) {
 #pragma GCC unroll 3
       for (int dj = 0; dj < NF; ++dj) _mm512_store_ps(sums + (r * NJ + dj) * TR, v[r][dj]);
@@ -187,11 +173,9 @@ struct Bf16Tiles {
     }
   }
   using SumSteps = void (*)(const Step*, int, long, float*);
-  // [NJ - 1][HALF], and one block column's with STAGE [HALF]
-  static constexpr SumSteps kSumSteps[3][2] = {{sum_steps<1, false, false>, sum_steps<1, false, true>},
-                                                {sum_steps<2, false, false>, sum_steps<2, false, true>},
-                                                {sum_steps<3, false, false>, sum_steps<3, false, true>}};
-  static constexpr SumSteps kStaged[2] = {sum_steps<1, true, false>, sum_steps<1, true, true>};
+  static constexpr SumSteps kSumSteps[3][2] = {{sum_steps<1, false>, sum_steps<1, true>},  // [NJ - 1][HALF]
+                                                {sum_steps<2, false>, sum_steps<2, true>},
+                                                {sum_steps<3, false>, sum_steps<3, true>}};
 };
 
 }  // namespace
