@@ -92,7 +92,7 @@ struct Bf16Tiles {
     for (int kc = 0; kc < KC; ++kc)
       for (int dj = 0; dj < nj; ++dj) steps[kc].b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
     const int rows = i2 ? 2 * TR : TR;
-    const auto sum_steps = kSumSteps[nj - 1][last_lanes <= 8];
+    const SumSteps pass = kSumSteps[nj - 1][last_lanes <= 8];
     for (int r0 = 0; r0 < std::min(rows, a_rows); r0 += RB) {
       const int di = r0 / TR;
       for (int kc = 0; kc < KC; ++kc) {
@@ -103,10 +103,10 @@ struct Bf16Tiles {
       if (r0 == 0)  // before(kc) first packs or requests what step kc reads
         for (int kc = 0; kc < KC; ++kc) {
           before(kc);
-          sum_steps(steps.data() + kc, 1, b_stride, sums[0]);
+          pass(steps.data() + kc, 1, b_stride, sums[0]);
         }
       else
-        sum_steps(steps.data(), KC, b_stride, sums[0]);
+        pass(steps.data(), KC, b_stride, sums[0]);
       for (int r = 0; r < RB; ++r)
         for (int dj = 0; dj < nj; ++dj)
           std::memcpy(t[result_tile(di, dj)] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
