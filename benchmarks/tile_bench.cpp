@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/dispatch.h"
+#include "moe/backward_copy.h"
 
 using namespace kt;
 
@@ -37,18 +38,10 @@ int main(int argc, char** argv) {
   std::uniform_real_distribution<float> value(-0.1f, 0.1f);
   std::vector<bf16> w(long(N) * K);
   for (auto& x : w) x = f32_to_bf16(value(rng));
-  // W [K, N] in the backward copy's layout: tile (j, kc) of 512 BF16, its row q rows 32·kc + 2q and + 1
-  // interleaved over block column j's 16 columns, a pair of block columns in unpack_pair's column order.
-  const long kblocks = (K + 31) / 32, jblocks = 2 * ((N + 31) / 32);
-  std::vector<bf16> packed(form == "nnp" ? jblocks * kblocks * 512 : 0);
-  for (long j = 0; j < jblocks && form == "nnp"; ++j)
-    for (long kc = 0; kc < kblocks; ++kc)
-      for (int q = 0; q < 16; ++q)
-        for (int slot = 0; slot < 16; ++slot)
-          for (int half = 0; half < 2; ++half) {
-            const long k = 32 * kc + 2 * q + half, n = 32 * (j / 2) + 8 * (slot / 4) + 4 * (j % 2) + slot % 4;
-            packed[(j * kblocks + kc) * 512 + q * 32 + 2 * slot + half] = k < K && n < N ? w[k * N + n] : bf16(0);
-          }
+  // W [K, N] in the backward copy's layout (moe/backward_copy.h), reduced over its K rows.
+  const long kblocks = (K + 31) / 32;
+  std::vector<bf16> packed(form == "nnp" ? backward_copy_elems(K, N) : 0);
+  for (long kc = 0; kc < kblocks && form == "nnp"; ++kc) pack_backward_block(w.data(), K, N, kc, packed.data());
   std::printf("%s, N=%d K=%d, kernels %s, one thread, median of %d calls\n", form.c_str(), N, K, ks.name, reps);
   for (std::string list = argv[4]; !list.empty();) {
     const size_t comma = list.find(',');

@@ -20,6 +20,21 @@ void dims(const MoeExperts& m, int p, long& out, long& in) {
 
 long backward_copy_elems(long out, long in) { return 2 * blocks32(in) * blocks32(out) * kTile; }
 
+void pack_backward_block(const bf16* w, long out, long in, long kc, bf16* matrix) {
+  const long blocks = blocks32(out);
+  for (long j = 0; j < 2 * blocks32(in); ++j) {
+    bf16* tile = matrix + (j * blocks + kc) * kTile;
+    for (int q = 0; q < 16; ++q)
+      for (int s = 0; s < 16; ++s) {
+        const long col = 32 * (j / 2) + 8 * (s / 4) + 4 * (j % 2) + s % 4;
+        for (int t = 0; t < 2; ++t) {
+          const long row = 32 * kc + 2 * q + t;
+          tile[q * 32 + 2 * s + t] = row < out && col < in ? w[row * in + col] : bf16(0);
+        }
+      }
+  }
+}
+
 long backward_copy_blocks(const MoeExperts& m, int p) {
   long out, in;
   dims(m, p, out, in);
@@ -57,18 +72,7 @@ void pack_backward_copy(const MoeExperts& m, const BackwardCopy& copy, Runtime& 
     dims(m, p, out, in);
     const bf16* w = p == DOWN ? m.weights().down.as<bf16>() + long(e) * out * in
                               : m.weights().gate_up.as<bf16>() + (2L * e + p) * out * in;
-    bf16* matrix = const_cast<bf16*>(backward_copy_at(m, copy, e, p, 0));
-    for (long j = 0; j < 2 * blocks32(in); ++j) {
-      bf16* tile = matrix + (j * blocks[p] + kc) * kTile;
-      for (int q = 0; q < 16; ++q)
-        for (int s = 0; s < 16; ++s) {
-          const long col = 32 * (j / 2) + 8 * (s / 4) + 4 * (j % 2) + s % 4;
-          for (int t = 0; t < 2; ++t) {
-            const long row = 32 * kc + 2 * q + t;
-            tile[q * 32 + 2 * s + t] = row < out && col < in ? w[row * in + col] : bf16(0);
-          }
-        }
-    }
+    pack_backward_block(w, out, in, kc, const_cast<bf16*>(backward_copy_at(m, copy, e, p, 0)));
   });
 }
 

@@ -19,6 +19,10 @@ namespace kt {
 // BF16 elements of one projection's packed matrix.
 long backward_copy_elems(long out, long in);
 
+// Reduction block kc (rows 32·kc .. 32·kc + 31) of the row-major matrix w [out, in] into its tiles of every block
+// column of `matrix`, one projection's packed matrix in the layout above.
+void pack_backward_block(const bf16* w, long out, long in, long kc, bf16* matrix);
+
 // Packs the engine's BF16 weights into `copy` (bfloat16 tensors of the shapes above) on the engine's threads.
 void pack_backward_copy(const MoeExperts& experts, const BackwardCopy& copy, Runtime& rt);
 
