@@ -154,7 +154,8 @@ def main():
           f"GPU allocator's driver calls while timed {driver_calls}")
     if args.mode == "kt":
         other = step_s - fwd - bwd - xfer - gpu - opt_s
-        print(f"CPU engine: forward {fwd * 1e3:.0f} ms (incl. the checkpoint recompute), backward {bwd * 1e3:.0f} ms; "
+        recompute = "" if args.no_checkpointing else " (incl. the checkpoint recompute)"
+        print(f"CPU engine: forward {fwd * 1e3:.0f} ms{recompute}, backward {bwd * 1e3:.0f} ms; "
               f"transfers to/from it {xfer * 1e3:.0f} ms; waiting for the GPU work that feeds it {gpu * 1e3:.0f} ms; "
               f"clipping + optimizer {opt_s * 1e3:.0f} ms; everything else (Python, GPU work not waited for) "
               f"{other * 1e3:.0f} ms; step / CPU engine time {step_s / (fwd + bwd):.2f}")
