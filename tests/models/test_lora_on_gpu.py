@@ -9,6 +9,7 @@ import collections
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from torch.optim import optimizer as optimizer_module  # an import: torch.optim does not keep it as an attribute
 
 import kt_sft.nn.experts as kt_experts
 from kt_sft.models import use_cpu_experts
@@ -162,7 +163,13 @@ def test_a_backward_that_raises_leaves_no_upload_behind(monkeypatch):
     def stop(grad):
         raise RuntimeError("stopped on purpose")
 
-    hook = gpu.get_input_embeddings().register_forward_hook(lambda module, args, out: out.register_hook(stop))
+    def stop_there(module, args, out):
+        out.register_hook(stop)  # returns a handle, which a forward hook must not return
+
+    # On the first layer's o_proj (LoRA: its output needs a grad, the frozen embeddings' does not), which backward
+    # reaches after every layer's experts.
+    o_proj = next(m for name, m in gpu.named_modules() if name.endswith("layers.0.self_attn.o_proj"))
+    hook = o_proj.register_forward_hook(stop_there)
     with pytest.raises(RuntimeError, match="stopped on purpose"):
         gpu(input_ids=batch(1, cuda), labels=batch(1, cuda)).loss.backward()
     hook.remove()
@@ -182,7 +189,7 @@ def test_lora_a_load_put_on_the_gpu_trains_with_a_fused_optimizer(monkeypatch):
     cuda = torch.device("cuda")
     # As in a fresh process: no optimizer-step counter installed yet (the other tests here install it for good).
     monkeypatch.setattr(kt_experts, "_step_hook", [])
-    monkeypatch.setattr(torch.optim.optimizer, "_global_optimizer_post_hooks", collections.OrderedDict())
+    monkeypatch.setattr(optimizer_module, "_global_optimizer_post_hooks", collections.OrderedDict())
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
     ref = lora_model(device=cuda)
     gpu = lora_model(device=cuda)
