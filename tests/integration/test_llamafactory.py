@@ -85,6 +85,17 @@ def test_resume_continues_the_same_loss_curve(demo, lora_run):
         assert abs(a[s] - b[s]) <= 1e-3 * max(a[s], 1e-3) + 1e-6, (s, a[s], b[s])
 
 
+def test_training_without_gradient_checkpointing_gives_the_same_loss_curve(demo, lora_run):
+    # disable_gradient_checkpointing (faster on the GPU test machine when its memory allows, BENCHMARKS.md): the
+    # engine saves for backward in its one forward instead of keeping a pass for the recompute; same gradients.
+    out = demo / "run_no_checkpointing"
+    log = run(["train", str(write_yaml(demo / "no_ckpt.yaml", demo / "train.yaml", output_dir=str(out),
+                                       disable_gradient_checkpointing=True))], demo)
+    assert "Gradient checkpointing enabled" not in log
+    assert "Gradient checkpointing enabled" in (lora_run / "train.log").read_text()
+    assert losses(out) == losses(lora_run)
+
+
 def test_chat_with_the_adapter_answers_from_the_data(demo, lora_run):
     chat = write_yaml(demo / "chat_a.yaml", demo / "chat.yaml", adapter_name_or_path=str(lora_run))
     out = run(["chat", str(chat)], demo, stdin="Who are you?\nexit\n")
