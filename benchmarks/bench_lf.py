@@ -104,7 +104,8 @@ def main():
           f"{'; no gradient checkpointing' if args.no_checkpointing else ''}")
     print(f"micro-batch {med['step']:.0f} ms, {args.seq / med['step'] * 1e3:.0f} tokens/s; GPU peak "
           f"{med['GPU peak GiB']:.2f} GiB; host RSS {med['host RSS GiB']:.1f} GiB")
-    print(f"CPU engine forward {med['forward']:.0f}{'' if args.no_checkpointing else ' (incl. recompute)'} + backward {med['backward']:.0f} ms, "
+    recompute = "" if args.no_checkpointing else " (incl. recompute)"
+    print(f"CPU engine forward {med['forward']:.0f}{recompute} + backward {med['backward']:.0f} ms, "
           f"transfers {med['transfers']:.0f}, GPU wait {med['gpu wait']:.0f}, rest {med['rest']:.0f} ms; "
           f"step / CPU engine time {med['step'] / engine:.2f}")
 
