@@ -834,7 +834,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
   const bool lora_on[3] = {!lora.A[GATE].empty(), !lora.A[UP].empty(), !lora.A[DOWN].empty()};
-  const TilePlan tp = plan_tiles(sv, E_, ks, x.dtype == DType::bf16, rt.tile_min_rows());
+  const TilePlan tp = plan_tiles(sv, E_, ks, x.dtype == DType::bf16, rt.backward_tile_rows());
   bf16* DT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * nn_ld(H)) : nullptr;
   bf16* GT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * nn_ld(I)) : nullptr;
   bf16* UT = tp.rows() ? sc.get_bf16(Scratch::TILE2, tp.rows() * nn_ld(I)) : nullptr;
