@@ -129,7 +129,9 @@ TILE_KERNELS = ["amx", "avx512_bf16"]  # the tile unit, and its operations on vd
 @pytest.fixture(params=[(k, rows) for k in TILE_KERNELS for rows in (1, 8)],
                 ids=lambda p: f"{p[0]}-" + ("every_expert_on_tiles" if p[1] == 1 else "experts_with_8_rows_on_tiles"))
 def tiles(request):
-    """A kernel set with tile products, experts of at least `rows` rows in a call on them; yields its name."""
+    """A kernel set with tile products, experts of at least `rows` rows in a call on them (avx512_bf16's backward:
+    from rows / 4, so with 8 an expert of 2-7 rows runs its forward off the tiles and its backward on them); yields
+    its name."""
     name, rows = request.param
     if name not in RUNNABLE:
         pytest.skip(f"this CPU cannot run the {name} kernels ({kt_sft.capabilities()['tiles']})")
