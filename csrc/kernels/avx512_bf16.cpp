@@ -80,7 +80,10 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 //   "The emulated tiles' last block column").
 // - A last block column with at most 8 valid lanes (in column order) runs on 256-bit registers: Zen 4 splits a
 //   512-bit vdpbf16ps in two and issues the 256-bit one twice as often, so those lanes cost half there.
-// - Groups of 8 rows past the block's valid A rows are not computed.
+// - Groups of 8 rows past the block's valid A rows are not computed, and a last group of at most 4 valid rows
+//   takes a pass of 4, 2 or 1 rows: one thread, `tile_bench nn 2048 1536 M` (the backward's form, its weights
+//   packed as it goes) 15-30% faster at M = 1-4, 12 and 17; the forward's `nt`, bound by its weight reads at
+//   so few rows, the same (BENCHMARKS.md, eighth session of 2026-12-05).
 struct Bf16Tiles {
   static constexpr int kColumnBlocks = 3;
   static void begin() {}
@@ -92,8 +95,10 @@ struct Bf16Tiles {
     for (int kc = 0; kc < KC; ++kc)
       for (int dj = 0; dj < nj; ++dj) steps[kc].b[dj] = reinterpret_cast<const char*>(b_tile(dj, kc));
     const int rows = i2 ? 2 * TR : TR;
-    const SumSteps pass = kSumSteps[nj - 1][last_lanes <= 8];
     for (int r0 = 0; r0 < std::min(rows, a_rows); r0 += RB) {
+      // The pass's rows: 8, or the fewest of 4, 2 and 1 that covers the valid rows left.
+      const int left = a_rows - r0, rb = left > 4 ? RB : left > 2 ? 4 : left;
+      const SumSteps pass = kSumSteps[nj - 1][last_lanes <= 8][rb == RB ? 0 : rb == 4 ? 1 : rb == 2 ? 2 : 3];
       const int di = r0 / TR;
       for (int kc = 0; kc < KC; ++kc) {
         steps[kc].as = a_stride(kc);
@@ -107,7 +112,7 @@ struct Bf16Tiles {
         }
       else
         pass(steps.data(), KC, b_stride, sums[0]);
-      for (int r = 0; r < RB; ++r)
+      for (int r = 0; r < rb; ++r)
         for (int dj = 0; dj < nj; ++dj)
           std::memcpy(t[result_tile(di, dj)] + (r0 % TR + r) * TR, sums[r * nj + dj], TR * sizeof(float));
     }
@@ -129,13 +134,13 @@ struct Bf16Tiles {
   // lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its own, so that the sums'
   // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
   // stack in some callers and ran the products 2-3x slower).
-  template <int NJ, bool HALF>
+  template <int NJ, bool HALF, int R>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
     constexpr int NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
-    __m512 v[RB][NF > 0 ? NF : 1];
-    __m256 h[RB];
+    __m512 v[R][NF > 0 ? NF : 1];
+    __m256 h[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 3
       for (int dj = 0; dj < NF; ++dj) v[r][dj] = _mm512_load_ps(sums + (r * NJ + dj) * TR);
       if constexpr (HALF) h[r] = _mm256_load_ps(sums + (r * NJ + NJ - 1) * TR);
@@ -154,7 +159,7 @@ struct Bf16Tiles {
           bh = reinterpret_cast<__m256bh>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(last)));
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r) {
+        for (int r = 0; r < R; ++r) {
           int pair;
           std::memcpy(&pair, a + r * as + 4 * p, 4);
           const __m512i ap = _mm512_set1_epi32(pair);
@@ -166,16 +171,20 @@ struct Bf16Tiles {
       }
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 3
       for (int dj = 0; dj < NF; ++dj) _mm512_store_ps(sums + (r * NJ + dj) * TR, v[r][dj]);
       if constexpr (HALF) _mm256_store_ps(sums + (r * NJ + NJ - 1) * TR, h[r]);
     }
   }
   using SumSteps = void (*)(const Step*, int, long, float*);
-  static constexpr SumSteps kSumSteps[3][2] = {{sum_steps<1, false>, sum_steps<1, true>},  // [NJ - 1][HALF]
-                                                {sum_steps<2, false>, sum_steps<2, true>},
-                                                {sum_steps<3, false>, sum_steps<3, true>}};
+  template <int NJ, bool HALF>
+  static constexpr SumSteps kRowCounts[4] = {sum_steps<NJ, HALF, RB>, sum_steps<NJ, HALF, 4>, sum_steps<NJ, HALF, 2>,
+                                             sum_steps<NJ, HALF, 1>};
+  // [NJ - 1][HALF][rows: 8, 4, 2, 1]
+  static constexpr const SumSteps* kSumSteps[3][2] = {{kRowCounts<1, false>, kRowCounts<1, true>},
+                                                      {kRowCounts<2, false>, kRowCounts<2, true>},
+                                                      {kRowCounts<3, false>, kRowCounts<3, true>}};
 };
 
 }  // namespace
