@@ -163,9 +163,10 @@ def test_bf16_activations_on_tiles(tiles, shape):
 
 # Every row count of one expert from a lone block column to two pairs: the emulated tiles take a last odd block
 # column together with the pair before it, and a last one of at most 8 valid lanes (the forward's activation
-# rows) on 256-bit registers, and leave out row groups past the valid ones (the backward's). H = 40 and I = 44
-# give the backward's weight panels such a last block column too (8 and 12 of its 16 columns valid).
-@pytest.mark.parametrize("rows", [8, 12, 17, 24, 32, 33, 40, 48, 56])
+# rows) on 256-bit registers, leave out row groups past the valid ones (the backward's), and run a last group of
+# 1-4 valid rows in a pass of 1, 2 or 4. H = 40 and I = 44 give the backward's weight panels such a last block
+# column too (8 and 12 of its 16 columns valid).
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 12, 17, 18, 19, 24, 32, 33, 40, 48, 56])
 def test_partly_filled_tiles(tiles, rows):
     shape = Shape(f"rows_{rows}", T=rows, H=40, I=44, E=2, K=1, r=4, routing="one")
     m = make_module(shape, lora=True)
