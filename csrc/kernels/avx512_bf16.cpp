@@ -121,8 +121,8 @@ struct Bf16Tiles {
   }
 
  private:
-  static constexpr int RB = 8;  // A rows per pass
-  // One reduction block: A's RB rows from a, `as` bytes apart; the block columns' B operands. A line each: at 40
+  static constexpr int RB = 8;  // A rows per pass (fewer in a last group of at most 4 valid rows)
+  // One reduction block: A's rows from a, `as` bytes apart; the block columns' B operands. A line each: at 40
   // bytes apart the backward's products ran ~4% slower on Zen 4 (`tile_bench nn 2048 768 16`: 420 against 404-408
   // us).
   struct alignas(64) Step {
@@ -130,10 +130,10 @@ struct Bf16Tiles {
     long as;
     const char* b[3];
   };
-  // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj; with HALF, the last block column's first 8
-  // lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its own, so that the sums'
-  // registers do not depend on what the caller inlines around it (inlined in the block loop, they went to the
-  // stack in some callers and ran the products 2-3x slower).
+  // sums[r · NJ + dj] += Σ over n steps of A row r · B column block dj, for the pass's R rows; with HALF, the
+  // last block column's first 8 lanes only (256-bit registers; its other 8 sums stay as they were). A leaf of its
+  // own, so that the sums' registers do not depend on what the caller inlines around it (inlined in the block
+  // loop, they went to the stack in some callers and ran the products 2-3x slower).
   template <int NJ, bool HALF, int R>
   [[gnu::noinline]] static void sum_steps(const Step* st, int n, long b_stride, float* sums) {
     constexpr int NF = HALF ? NJ - 1 : NJ;  // NF block columns in 512-bit registers
