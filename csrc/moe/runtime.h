@@ -63,8 +63,7 @@ class Runtime {
   // rows per expert, 4% at 16; BENCHMARKS.md, third session of 2026-12-01).
   int tile_rows_for(bool training, Format f) const {
     if (training) return tile_min_rows_;
-    const TileKernels* t = kernels().tiles;
-    const bool emulated = t && t->emulated;
+    const bool emulated = emulated_tiles();
     if (f == Format::bf16 && !emulated) return std::max(1, tile_min_rows_ / 4);
     return (f == Format::int4_group32 && emulated ? 4 : 2) * tile_min_rows_;
   }
@@ -75,10 +74,7 @@ class Runtime {
   // (Layer Q, 2 threads, alternated processes) tiles from one row made the backward 15-25% faster at T = 16-32
   // (1-2 rows per expert on average), INT4's 20-35% and FP8's 8-35% at T = 16-64, and moved nothing beyond the
   // noise at T = 128-512 (BENCHMARKS.md, eighth session of 2026-12-05). AMX keeps tile_min_rows: not measured.
-  int backward_tile_rows() const {
-    const TileKernels* t = kernels().tiles;
-    return t && t->emulated ? std::max(1, tile_min_rows_ / 4) : tile_min_rows_;
-  }
+  int backward_tile_rows() const { return emulated_tiles() ? std::max(1, tile_min_rows_ / 4) : tile_min_rows_; }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }
 
@@ -98,6 +94,11 @@ class Runtime {
 
  private:
   Runtime();
+  // Whether the kernel set's tiles are the tile unit's operations on vdpbf16ps (no AMX).
+  bool emulated_tiles() const {
+    const TileKernels* t = kernels().tiles;
+    return t && t->emulated;
+  }
   std::unique_ptr<ThreadPool> pool_;
   const KernelSet* kernels_ = nullptr;
   std::string no_kernels_reason_;
