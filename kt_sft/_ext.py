@@ -13,6 +13,9 @@ Environment variables (the only ones kt_sft reads, all here):
   KT_SFT_LORA_ON_GPU  1: the expert LoRA and its gradients live on the model's GPU, where the optimizer and the
                   clipping run over them; the engine reads a CPU copy taken after each optimizer step
                   (cookbook/sizing.md: 12-16 bytes of GPU memory per LoRA value)
+  KT_SFT_RECOMPUTE_AHEAD  1 (default): gradient checkpointing's recompute of a layer runs while the CPU engine
+                  computes the backward of the layer after it (kt_sft/models/recompute_ahead.py); 0: in the stock
+                  order, after it (one layer's recomputed activations less GPU memory)
 """
 from __future__ import annotations
 
@@ -116,12 +119,13 @@ def require_one_process() -> None:
                          "already live in CPU RAM).")
 
 
-def _switch(name: str) -> bool:
-    """An on/off environment variable: 1 on; 0 or unset (or empty) off; anything else refused, not taken for off."""
+def _switch(name: str, default: bool = False) -> bool:
+    """An on/off environment variable: 1 on, 0 off, unset (or empty) default; anything else refused, not taken
+    for either."""
     value = os.environ.get(name, "")
     if value not in ("", "0", "1"):
-        raise ValueError(f"{name}={value!r} is neither 0 nor 1; set it to 1 to turn it on, or 0 (or unset it) for off.")
-    return value == "1"
+        raise ValueError(f"{name}={value!r} is neither 0 nor 1; set it to 1 to turn it on, or 0 to turn it off.")
+    return default if value == "" else value == "1"
 
 
 def recompute_experts() -> bool:
@@ -140,10 +144,15 @@ def lora_on_gpu_wanted() -> bool:
     return _switch("KT_SFT_LORA_ON_GPU")
 
 
+def recompute_ahead() -> bool:
+    """KT_SFT_RECOMPUTE_AHEAD (on unless 0): read at every checkpointed layer's call."""
+    return _switch("KT_SFT_RECOMPUTE_AHEAD", default=True)
+
+
 def switches() -> dict[str, bool]:
     """The on/off environment variables as they read now (a bad value raises, naming it)."""
     return {"KT_SFT_RECOMPUTE_EXPERTS": recompute_experts(), "KT_SFT_BACKWARD_COPY": backward_copy_wanted(),
-            "KT_SFT_LORA_ON_GPU": lora_on_gpu_wanted()}
+            "KT_SFT_LORA_ON_GPU": lora_on_gpu_wanted(), "KT_SFT_RECOMPUTE_AHEAD": recompute_ahead()}
 
 
 def _configure_from_env() -> None:

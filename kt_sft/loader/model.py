@@ -19,8 +19,7 @@ from transformers import AutoModelForCausalLM
 from .._ext import profile_every, require_one_process, require_settings
 from ..formats import QuantizedExperts
 from ..models import architecture_of
-from ..models.overlap import overlap_shared_experts
-from ..models.patch import accept_per_expert_weights
+from ..models.patch import accept_per_expert_weights, overlap_with_the_engine
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from .checkpoint import Checkpoint
@@ -209,7 +208,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, experts)
 
-    overlap_shared_experts(model, arch.shared_experts)
+    overlap_with_the_engine(model, arch)
     if target == "bf16":
         accept_per_expert_weights(model, arch)
     if config.tie_word_embeddings:

@@ -10,6 +10,7 @@ from torch import nn
 
 from .._ext import require_one_process, require_settings
 from .overlap import overlap_shared_experts
+from .recompute_ahead import recompute_ahead_of_the_engine
 from .registry import MoEArchitecture, architecture_of
 
 
@@ -44,9 +45,17 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     model._register_load_state_dict_pre_hook(hook)
 
 
+def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
+    """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts
+    (models/overlap.py) and, under gradient checkpointing, the recompute of the layer before a layer whose
+    backward the engine computes (models/recompute_ahead.py)."""
+    overlap_shared_experts(model, arch.shared_experts)
+    recompute_ahead_of_the_engine(model)
+
+
 def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
-    """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU), and has the GPU compute
-    the shared experts of each such block while the engine runs (models/overlap.py); returns how many."""
+    """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU) and installs the GPU work
+    that overlaps the engine (overlap_with_the_engine); returns how many experts modules."""
     from ..peft.layer import KTExpertsLinear
 
     require_one_process()
@@ -67,6 +76,6 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     if not replaced:
         raise ValueError(f"no {' / '.join(arch.experts_classes)} module found in this {config.model_type} model; "
                          "its transformers version may name the experts class differently.")
-    overlap_shared_experts(model, arch.shared_experts)
+    overlap_with_the_engine(model, arch)
     accept_per_expert_weights(model, arch)
     return replaced

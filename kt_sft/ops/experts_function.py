@@ -126,6 +126,18 @@ def run_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, dr
     return out, running.wait()
 
 
+_beside_backward = None
+
+
+def beside_backward(source) -> None:
+    """source(): asked by every training call's backward that may run its engine beside the caller, before it
+    starts the engine; returns work to run while the engine computes (after the GPU work between the call's two
+    nodes is queued, before the wait for the engine), or None. models/recompute_ahead.py queues the recompute of
+    the layer before there. One per process; None: nothing."""
+    global _beside_backward
+    _beside_backward = source
+
+
 def runs_beside(device: torch.device) -> bool:
     """Whether work queued beside the engine runs while it computes: on a GPU; on the CPU it would compete with
     the engine for the cores, so the engine finishes first and the same steps run in turn."""
@@ -149,13 +161,14 @@ class EngineCall:
     later first; the GPU work queued between the two in forward (`beside`: a block's shared experts) makes nodes
     numbered between them. So in backward EngineResult starts the engine's backward and returns, the nodes in
     between queue their GPU work, and StartEngine waits for the engine and hands autograd its gradients: the GPU
-    computes while the CPU does. concurrent: the engine runs on its driver thread while Python goes on (else on
-    this thread, at once; the steps run in the same order), in backward only while its writes go to buffers of
-    this call's own."""
+    computes while the CPU does. concurrent: the forward's engine runs on its driver thread while Python goes on
+    (else on this thread, at once; the steps run in the same order). The backward's does when it has work beside
+    it (those nodes, or beside_backward's) and its writes go to buffers of this call's own."""
 
     def __init__(self, module, lora, lora_params, concurrent: bool):
         self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
         self.xc = self.lora32 = self.out = self.saved = self.running = self.grads = None
+        self.backward_work = None  # what the backward runs while its engine computes (beside_backward)
 
 
 class StartEngine(torch.autograd.Function):
@@ -181,6 +194,9 @@ class StartEngine(torch.autograd.Function):
     def backward(ctx, _token):
         call = ctx.call
         dx, dw, lora_grads, direct, base = call.grads
+        work, call.backward_work = call.backward_work, None
+        if work is not None:
+            work()
         call.running.wait()
         call.running = call.grads = call.saved = None
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
@@ -244,7 +260,9 @@ class EngineResult(torch.autograd.Function):
         # Concurrent only where the engine writes nothing the caller holds until StartEngine hands it over: grads
         # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
         # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
-        concurrent = call.concurrent and not any(accumulate) and d_gate_up is None and d_down is None
+        concurrent = runs_beside(dev) and not any(accumulate) and d_gate_up is None and d_down is None
+        work = _beside_backward() if concurrent and _beside_backward is not None else None
+        concurrent = concurrent and (call.concurrent or work is not None)
         t0 = time.perf_counter()
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
@@ -252,5 +270,6 @@ class EngineResult(torch.autograd.Function):
             now=not concurrent, lora_accumulate=accumulate, backward_copy=module.backward_copy(xc.dtype),
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
         call.running = Running(pending, "backward", t0)
+        call.backward_work = work
         call.grads = dx, dw, lora_grads, direct, base_out
         return None, grad_out.new_empty(0)

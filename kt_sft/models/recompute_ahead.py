@@ -1,0 +1,179 @@
+"""Gradient checkpointing's recompute of layer L−1, run while the CPU engine computes layer L's backward.
+
+Reentrant checkpointing (LLaMA-Factory's default) runs every decoder layer's forward again at the start of that
+layer's backward. On a kt_sft model that recompute is GPU work (attention, router, shared experts; the routed
+experts take the pass their first forward kept, ops/kept_forward.py), and in the stock order it runs between
+two engine backwards while the CPU idles: 76 ms of a 16-layer Qwen3-30B-A3B step at seq 2048 on the GPU test
+machine (BENCHMARKS.md, "Without gradient checkpointing"). It depends on nothing layer L's backward computes,
+only on what layer L−1's first forward left, so layer L's engine backward runs it between the engine's start and
+the wait for it (ops/experts_function.beside_backward), and layer L−1's checkpoint then takes that result.
+
+How: each checkpointed layer's `_gradient_checkpointing_func` (transformers' GradientCheckpointingLayer calls
+it; gradient_checkpointing_enable sets it, LLaMA-Factory to its wrapper of torch's checkpoint) is wrapped by
+RecomputeAhead at the model's next forward, whoever enabled checkpointing and whenever. The wrapper hands the
+checkpoint function a stand-in for the layer's call, one Pass per call, which
+- in the first forward (grad off, outside backward: reentrant checkpointing's first pass) notes the RNG and
+  autocast state the checkpoint restores for its recompute, and links itself to the previous layer's Pass when
+  its input is that pass's output (the same tensor: nothing in between, the same forward);
+- in the recompute (grad on, inside backward) returns what was computed ahead, if anything was, and hands its
+  inputs' gradients to the inputs the checkpoint passed it (where reentrant checkpointing reads them); else it
+  computes as before.
+The computation ahead restores the noted RNG and autocast state as the checkpoint does, so its results are the
+recompute's bit for bit (LoRA and attention dropout included). A checkpoint function whose first pass runs with
+grad (non-reentrant) notes nothing, and runs as before.
+
+Only an engine backward that runs beside the caller computes ahead (on a GPU, while it writes only its own
+buffers: ops/experts_function.py); elsewhere the stock order stays. Cost: the GPU holds the recomputed
+activations of one more layer while layer L's backward runs. KT_SFT_RECOMPUTE_AHEAD=0 turns it off.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from .._ext import recompute_ahead
+from ..ops import experts_function
+from ..ops.kept_forward import recomputing
+
+_latest = None  # weakref to the Pass of the latest first forward (the layer the next one may follow)
+_recomputed = None  # weakref to the Pass recomputed last: its layer's backward is the one running
+
+
+def _alive(ref):
+    return ref() if ref is not None else None
+
+
+def _autocast_state() -> list:
+    """(device type, enabled, dtype, cache) of each autocast torch's checkpoint restores (its device's, CPU's)."""
+    kinds = ["cuda", "cpu"] if torch.amp.is_autocast_available("cuda") else ["cpu"]
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind), torch.is_autocast_cache_enabled())
+            for kind in kinds]
+
+
+class Pass:
+    """One call of a checkpointed layer (module docstring): its first forward, its recompute, the work ahead."""
+
+    def __init__(self, func):
+        self.func = func
+        self.args = self.kwargs = self.state = self.output = self.previous = self.ahead = None
+
+    def __call__(self, *args, **kwargs):
+        global _recomputed
+        if not torch.is_grad_enabled() and not recomputing():
+            self._note(args, kwargs)
+            out = self.func(*args, **kwargs)
+            self.output = out[0] if isinstance(out, tuple) and out else out
+            return out
+        if not (torch.is_grad_enabled() and recomputing()):
+            return self.func(*args, **kwargs)
+        _recomputed = weakref.ref(self)
+        ahead, self.ahead = self.ahead, None
+        self.args = self.kwargs = self.state = self.output = None
+        if ahead is None:
+            return self.func(*args, **kwargs)
+        outputs, inputs = ahead
+        for ours, theirs in zip(inputs, args):
+            if isinstance(ours, torch.Tensor) and ours.requires_grad:
+                ours.register_post_accumulate_grad_hook(functools.partial(_hand_grad, theirs))
+        return outputs
+
+    def _note(self, args, kwargs):
+        global _latest, _recomputed
+        latest = _alive(_latest)
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if latest is not None and first is not None and first is latest.output:
+            self.previous = _latest
+        else:
+            _recomputed = None  # a new forward: any backward noted before is over
+        if latest is not None:
+            latest.output = None  # held only for the check above
+        _latest = weakref.ref(self)
+        devices = sorted({a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda}, key=str)
+        self.state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices], _autocast_state())
+        self.args, self.kwargs = args, kwargs
+
+    def compute_ahead(self):
+        """The recompute, now (module docstring); once, after a first forward."""
+        (cpu_rng, device_rngs, autocast), args, kwargs = self.state, self.args, self.kwargs
+        self.args = self.kwargs = self.state = None
+        inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
+        with torch.random.fork_rng(devices=[d for d, _ in device_rngs], device_type="cuda"):
+            torch.set_rng_state(cpu_rng)
+            for device, rng in device_rngs:
+                torch.cuda.set_rng_state(rng, device)
+            with torch.enable_grad(), _autocast(autocast):
+                outputs = self.func(*inputs, **kwargs)
+        self.ahead = outputs, inputs
+
+
+def _autocast(state) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for kind, enabled, dtype, cache in state:
+        stack.enter_context(torch.autocast(kind, enabled=enabled, dtype=dtype, cache_enabled=cache))
+    return stack
+
+
+def _hand_grad(target: torch.Tensor, leaf: torch.Tensor) -> None:
+    """Moves leaf's gradient (an input of the computation ahead) to target (the checkpoint's own input)."""
+    grad, leaf.grad = leaf.grad, None
+    target.grad = grad if target.grad is None else target.grad + grad
+
+
+def _work_ahead():
+    """beside_backward's source: the recompute of the layer before the one whose backward runs, if not yet
+    run (once)."""
+    running = _alive(_recomputed)
+    if running is None or not recompute_ahead():
+        return None
+    previous, running.previous = _alive(running.previous), None
+    return previous.compute_ahead if previous is not None and previous.state is not None else None
+
+
+def _run_pass(p: Pass, _layer, *args, **kwargs):
+    return p(*args, **kwargs)
+
+
+class RecomputeAhead:
+    """A layer's checkpoint function, handed a Pass in place of the layer's call (module docstring)."""
+
+    def __init__(self, checkpoint):
+        self.checkpoint = checkpoint
+
+    def __call__(self, func, *args, **kwargs):
+        target = func.func if isinstance(func, functools.partial) else func
+        layer = getattr(target, "__self__", None)
+        if not isinstance(layer, nn.Module) or not recompute_ahead():
+            return self.checkpoint(func, *args, **kwargs)
+        # Bound to the layer, as the call it stands for: LLaMA-Factory's wrapper looks up the layer's parameters
+        # through the function's __self__.
+        return self.checkpoint(types.MethodType(functools.partial(_run_pass, Pass(func)), layer), *args, **kwargs)
+
+
+def recompute_ahead_of_the_engine(model: nn.Module) -> int:
+    """Has each stack of checkpointable layers in model wrap its layers' checkpoint functions in RecomputeAhead at
+    every forward (a pre-hook on the module that runs the stack); returns how many layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    count = 0
+    for module in model.modules():
+        for child in module.children():
+            layers = [m for m in child if isinstance(m, GradientCheckpointingLayer)] \
+                if isinstance(child, nn.ModuleList) else []
+            if layers:
+                module.register_forward_pre_hook(functools.partial(_wrap_checkpointing, layers))
+                count += len(layers)
+    if count:
+        experts_function.beside_backward(_work_ahead)
+    return count
+
+
+def _wrap_checkpointing(layers, _module, _args) -> None:
+    for layer in layers:
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        if checkpoint is not None and not isinstance(checkpoint, RecomputeAhead):
+            layer._gradient_checkpointing_func = RecomputeAhead(checkpoint)

@@ -1,0 +1,198 @@
+"""Gradient checkpointing's recompute of layer L−1 run while the engine computes layer L's backward
+(kt_sft/models/recompute_ahead.py): once per layer, in that place, and bit for bit the stock order's results.
+
+On the CPU the engine's backward runs beside the caller only where `runs_beside` says so (tests below make it;
+on a GPU it does), so these tests force it; the CUDA test runs where a GPU is (the GPU test machine)."""
+import contextlib
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import kt_sft.models.recompute_ahead as recompute_ahead
+from kt_sft import KTExperts
+from kt_sft.models import use_cpu_experts
+from kt_sft.ops import experts_function
+from tiny_models import COMMON, tiny_model
+
+LAYERS = 4
+
+
+@pytest.fixture
+def four_layers(monkeypatch):
+    """Tiny models of LAYERS layers (DeepSeek-V3's first is dense), a log of each layer's engine backward and of
+    each recompute ahead, and the engine's backward beside the caller as on a GPU."""
+    monkeypatch.setitem(COMMON, "num_hidden_layers", LAYERS)
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
+    log = []
+    real = recompute_ahead.Pass.compute_ahead
+    monkeypatch.setattr(recompute_ahead.Pass, "compute_ahead", lambda self: log.append("ahead") or real(self))
+    return log
+
+
+def logged(model, log):
+    """Each engine's backward logs its start and its wait, with its layer's index."""
+    for name, module in model.named_modules():
+        if isinstance(module, KTExperts):
+            layer = int(name.split("layers.")[1].split(".")[0])
+            engine = module.engine
+
+            class Logged:
+                def __getattr__(self, attr, engine=engine):
+                    return getattr(engine, attr)
+
+                def backward(self, *args, engine=engine, layer=layer, **kwargs):
+                    log.append(f"backward {layer}")
+                    pending = engine.backward(*args, **kwargs)
+
+                    class Waited:
+                        def wait(self):
+                            log.append(f"done {layer}")
+                            return pending.wait()
+
+                    return Waited()
+
+            module.engine = Logged()
+
+
+def lora_model(model_type, dropout=0.0, log=None):
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    if log is not None:
+        logged(model, log)
+    torch.manual_seed(3)
+    model.requires_grad_(False)  # peft >= 0.19 does not freeze a model that already holds tuner layers
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "experts"],
+                                             init_lora_weights=False, lora_dropout=dropout))
+    return model.train()
+
+
+def enable_checkpointing(model, use_reentrant=True):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.enable_input_require_grads()
+
+
+def train(model, steps=2, device="cpu", autocast=None):
+    """Losses and the last step's grads of `steps` SGD steps (the weights change between them, so each step's
+    first passes are new)."""
+    model.to(device)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.manual_seed(4)  # the dropout masks (the experts draw their seed from torch's RNG)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        with torch.autocast(**autocast) if autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads = {n: p.grad.float().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+        opt.step()
+    return losses, grads
+
+
+def stock(model_type, monkeypatch, **kwargs):
+    monkeypatch.setenv("KT_SFT_RECOMPUTE_AHEAD", "0")
+    model = lora_model(model_type, kwargs.pop("dropout", 0.0))
+    enable_checkpointing(model)
+    result = train(model, **kwargs)
+    monkeypatch.delenv("KT_SFT_RECOMPUTE_AHEAD")
+    return result
+
+
+def assert_same(result, expected):
+    (losses, grads), (losses_ref, grads_ref) = result, expected
+    assert losses == losses_ref
+    assert grads.keys() == grads_ref.keys() and any("experts.lora_A" in n for n in grads)
+    for name, g in grads_ref.items():
+        assert torch.equal(grads[name], g), name  # the same operations on the same values, in another order
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "lora_dropout"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_each_layer_is_recomputed_while_the_engine_computes_the_next_ones_backward(model_type, dropout, four_layers,
+                                                                                  monkeypatch):
+    # LoRA dropout on attention and experts: the recompute ahead must draw the first forward's masks.
+    log = four_layers
+    expected = stock(model_type, monkeypatch, dropout=dropout)
+    assert log == []  # KT_SFT_RECOMPUTE_AHEAD=0
+    model = lora_model(model_type, dropout, log)
+    enable_checkpointing(model)
+    assert_same(train(model), expected)
+    first_moe = 1 if model_type == "deepseek_v3" else 0  # its layer 0 is dense: recomputed ahead by layer 1
+    step = [entry for layer in range(LAYERS - 1, first_moe - 1, -1)
+            for entry in (f"backward {layer}", *(["ahead"] if layer > 0 else []), f"done {layer}")]
+    assert log == step + step
+
+
+def test_a_forward_without_backward_leaves_nothing_ahead(four_layers, monkeypatch):
+    # A training-mode forward without grad (a logging pass) notes first passes that no backward follows; the next
+    # forward starts a chain of its own.
+    expected = stock("qwen3_moe", monkeypatch, steps=1)
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1)))
+    assert_same(train(model, steps=1), expected)
+    assert four_layers.count("ahead") == LAYERS - 1
+
+
+def test_a_backward_that_adds_into_existing_grads_keeps_the_stock_order(four_layers, monkeypatch):
+    # A second micro-batch adds the expert LoRA grads into param.grad: the engine runs first, nothing beside it.
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert four_layers.count("ahead") == LAYERS - 1
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert four_layers.count("ahead") == LAYERS - 1
+
+
+def test_non_reentrant_checkpointing_runs_as_before(four_layers, monkeypatch):
+    monkeypatch.setenv("KT_SFT_RECOMPUTE_AHEAD", "0")
+    reference = lora_model("qwen3_moe")
+    enable_checkpointing(reference, use_reentrant=False)
+    expected = train(reference)
+    monkeypatch.delenv("KT_SFT_RECOMPUTE_AHEAD")
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model, use_reentrant=False)
+    assert_same(train(model), expected)
+    assert "ahead" not in four_layers
+
+
+def test_under_autocast_the_recompute_ahead_casts_as_the_first_forward(four_layers, monkeypatch):
+    # The checkpoint restores the first forward's autocast for its recompute; so must the work ahead (without it,
+    # attention would run in float32 there and the gradients would differ).
+    bf16 = dict(device_type="cpu", dtype=torch.bfloat16)
+    expected = stock("qwen3_moe", monkeypatch, autocast=bf16)
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model)
+    assert_same(train(model, autocast=bf16), expected)
+    assert four_layers.count("ahead") == 2 * (LAYERS - 1)
+
+
+def test_through_llamafactorys_checkpoint_wrapper(four_layers, monkeypatch):
+    # LLaMA-Factory's wrapper finds the layer through the function's __self__: the stand-in is bound to it.
+    from llamafactory.model.model_utils.checkpointing import _gradient_checkpointing_enable
+
+    expected = stock("qwen3_moe", monkeypatch)
+    model = lora_model("qwen3_moe")
+    base = model.get_base_model()
+    _gradient_checkpointing_enable(base, {"use_reentrant": True})
+    model.enable_input_require_grads()
+    assert_same(train(model), expected)
+    assert four_layers.count("ahead") == 2 * (LAYERS - 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_on_cuda_the_recompute_runs_while_the_engine_computes(monkeypatch):
+    # No forcing: on a GPU the engine's backward runs beside the caller by itself.
+    log = []
+    real = recompute_ahead.Pass.compute_ahead
+    monkeypatch.setattr(recompute_ahead.Pass, "compute_ahead", lambda self: log.append("ahead") or real(self))
+    expected = stock("qwen3_moe", monkeypatch, dropout=0.2, device="cuda")
+    model = lora_model("qwen3_moe", 0.2, log)
+    enable_checkpointing(model)
+    assert_same(train(model, device="cuda"), expected)
+    assert log == [entry for layer in (1, 0) for entry in
+                   (f"backward {layer}", *(["ahead"] if layer else []), f"done {layer}")] * 2
