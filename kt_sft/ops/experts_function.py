@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .._ext import view
-from .timing import add_engine_seconds, engine_timer
+from .timing import add_engine_seconds, engine_timer, uncounted
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
 # StartEngine's inputs: call, x, top_k_index, top_k_weights, gate_up, down; then the 6 LoRA matrices
@@ -196,7 +196,8 @@ class StartEngine(torch.autograd.Function):
         dx, dw, lora_grads, direct, base = call.grads
         work, call.backward_work = call.backward_work, None
         if work is not None:
-            work()
+            with uncounted():  # within the engine's span, which its wait adds
+                work()
         call.running.wait()
         call.running = call.grads = call.saved = None
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta

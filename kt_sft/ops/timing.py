@@ -44,6 +44,19 @@ def add_engine_seconds(phase: str, spent: float) -> None:
         _SECONDS[_OPEN[-1]] -= spent
 
 
+class uncounted:  # noqa: N801 - used as `with uncounted():`
+    """Inside, timed phases add nothing: work run beside an engine call whose wait adds its whole span (a
+    transfer or GPU wait there overlaps the engine's time and would count twice)."""
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        self.saved = dict(_SECONDS)
+
+    def __exit__(self, *exc):
+        _SECONDS.update(self.saved)
+        return False
+
+
 def engine_seconds() -> dict:
     return dict(_SECONDS)
 

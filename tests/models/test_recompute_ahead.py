@@ -4,6 +4,7 @@
 On the CPU the engine's backward runs beside the caller only where `runs_beside` says so (tests below make it;
 on a GPU it does), so these tests force it; the CUDA test runs where a GPU is (the GPU test machine)."""
 import contextlib
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 import kt_sft.models.recompute_ahead as recompute_ahead
 from kt_sft import KTExperts
 from kt_sft.models import use_cpu_experts
-from kt_sft.ops import experts_function
+from kt_sft.ops import experts_function, timing
 from tiny_models import COMMON, tiny_model
 
 LAYERS = 4
@@ -196,3 +197,27 @@ def test_on_cuda_the_recompute_runs_while_the_engine_computes(monkeypatch):
     assert_same(train(model, device="cuda"), expected)
     assert log == [entry for layer in (1, 0) for entry in
                    (f"backward {layer}", *(["ahead"] if layer else []), f"done {layer}")] * 2
+
+
+def test_the_work_ahead_adds_no_time_to_the_step_profile(four_layers, monkeypatch):
+    # It runs within the span of the engine's backward, which that call's wait counts whole: a transfer or GPU
+    # wait timed inside it (the layer's input copied to the engine, on a GPU) would count twice.
+    real = recompute_ahead.Pass.compute_ahead
+
+    def slow(self):
+        with timing.engine_timer("transfer"):
+            time.sleep(0.05)
+        return real(self)
+
+    monkeypatch.setattr(recompute_ahead.Pass, "compute_ahead", slow)
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    timing.reset_engine_seconds()
+    t0 = time.perf_counter()
+    loss.backward()
+    wall = time.perf_counter() - t0
+    assert timing.engine_seconds()["transfer"] < 0.05
+    assert timing.engine_seconds()["backward"] >= 0.05 * (LAYERS - 1)  # the engine's spans hold the work
+    assert sum(timing.engine_seconds().values()) <= wall
