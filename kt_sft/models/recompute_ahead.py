@@ -3,7 +3,7 @@
 Reentrant checkpointing (LLaMA-Factory's default) runs every decoder layer's forward again at the start of that
 layer's backward. On a kt_sft model that recompute is GPU work (attention, router, shared experts; the routed
 experts take the pass their first forward kept, ops/kept_forward.py), and in the stock order it runs between
-two engine backwards while the CPU idles: 76 ms of a 16-layer Qwen3-30B-A3B step at seq 2048 on the GPU test
+two engine backwards while the engine idles: 76 ms of a 16-layer Qwen3-30B-A3B step at seq 2048 on the GPU test
 machine (BENCHMARKS.md, "Without gradient checkpointing"). It depends on nothing layer L's backward computes,
 only on what layer L−1's first forward left, so layer L's engine backward runs it between the engine's start and
 the wait for it (ops/experts_function.beside_backward), and layer L−1's checkpoint then takes that result.
