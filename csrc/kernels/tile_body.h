@@ -380,6 +380,115 @@ void tile_nt(const TileNT<TB>& g) {
   if (g.stream) _mm_sfence();
 }
 
+// Axpy form at 1-2 rows on the emulated tiles (nothing packed ahead): each pair of weight rows is interleaved in
+// registers (unpack_pair) and multiplied there, so the weights are read once and never stored. tile_nn's panel is
+// written and read again for every item, which at 1-2 rows took half of the product's time (tile_bench nn 2048
+// 1536: 381-385 µs at M = 1-2 against 184-194 with the panel packed ahead; direct 238-284 µs; Zen 4, BENCHMARKS.md).
+// Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks every weight
+// row again, in pieces of S cache lines, so at 3 rows and more (S ≤ 4) the short pieces made it as slow as the
+// panel (4 rows) or slower (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its segments'
+// pairs in order, as a pass of the emulated tiles reduces a chunk.
+template <int M, int S, class TB>
+void direct_nn_rows(const TileNN<TB>& g) {
+  static_assert(2 * M * S <= 24, "the sums stay in registers");
+  constexpr int W = 32 * S;
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const long blocks = (g.N + W - 1) / W, pairs = (long(g.K) + g.second.K + g.f32[0].K + g.f32[1].K + 1) / 2;
+  long step = 0;
+  for (long c0 = 0; c0 < g.N; c0 += W) {
+    __m512 acc[M][S][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 12
+      for (int s = 0; s < S; ++s) acc[m][s][0] = acc[m][s][1] = _mm512_setzero_ps();
+    // Pairs of rows k, k + 1 of one segment (A's columns k, k + 1), row(k, s) giving strip s of row k (k < K).
+    auto reduce = [&](const bf16* a, long lda, int K, auto row) {
+      for (long k = 0; k < K; k += 2, ++step) {
+        request_share(g.next, step, blocks * pairs);
+        __m512i pair[M];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) pair[m] = _mm512_set1_epi32(*reinterpret_cast<const int*>(a + m * lda + k));
+#pragma GCC unroll 12
+        for (int s = 0; s < S; ++s) {
+          if (c0 + 32 * s >= g.N) break;
+          __m512i lo, hi;
+          unpack_pair(row(k, s), k + 1 < K ? row(k + 1, s) : _mm512_setzero_si512(), lo, hi);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m512bh p = reinterpret_cast<const __m512bh&>(pair[m]);
+            acc[m][s][0] = _mm512_dpbf16_ps(acc[m][s][0], p, reinterpret_cast<const __m512bh&>(lo));
+            acc[m][s][1] = _mm512_dpbf16_ps(acc[m][s][1], p, reinterpret_cast<const __m512bh&>(hi));
+          }
+        }
+      }
+    };
+    // Strip s of a float32 row times scale, rounded to BF16 as round_to_bf16 does.
+    auto rounded = [&](const float* row, int s, float scale) {
+      const float* r = row + g.b_off + c0 + 32 * s;
+      const long n = g.N - c0 - 32 * s;
+      const __m512 x = _mm512_set1_ps(scale);
+      const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(first16(n), r), x);
+      const __m512 hi = n > 16 ? _mm512_mul_ps(_mm512_maskz_loadu_ps(first16(n - 16), r + 16), x) : _mm512_setzero_ps();
+      const __m512bh v = _mm512_cvtne2ps_pbh(hi, lo);
+      return reinterpret_cast<const __m512i&>(v);
+    };
+    auto weights = [&](const kt::Rows<TB>& b, const bf16* a, int K) {
+      if (!a) return;
+      reduce(a, kt::nn_ld(K), K, [&](long k, int s) {
+        const long c = g.b_off + c0 + 32 * s;
+        if constexpr (std::is_same_v<TB, float>) {
+          return rounded(b.at(k), s, 1.f);
+        } else {
+          if (k + 8 < K && s == 0) request_row(b, k + 8, g.b_off + c0, std::min<long>(W, g.N - c0));
+          if constexpr (std::is_same_v<TB, bf16>)
+            return _mm512_maskz_loadu_epi16(first32(g.N - c0 - 32 * s), b.at(k) + c);
+          else
+            return bf16x32(cursor<Simd>(b, k), c);
+        }
+      });
+    };
+    weights(g.b, g.a, g.K);
+    weights(g.second.b, g.second.a, g.second.K);
+    for (const auto& f : g.f32)
+      if (f.a) reduce(f.a, kt::nn_ld(f.K), f.K, [&](long k, int s) { return rounded(f.b.at(k), s, f.scale); });
+    // The sums back in column order (lo holds columns 8L .. 8L + 3 of each 128-bit lane L, hi 8L + 4 ..), times
+    // alpha, into C as put_tile stores a tile.
+    for (int m = 0; m < M; ++m)
+#pragma GCC unroll 12
+      for (int s = 0; s < S; ++s) {
+        if (c0 + 32 * s >= g.N) break;
+        for (int h = 0; h < 2; ++h) {
+          const long n0 = c0 + 32 * s + 16 * h, nr = g.N - n0;
+          if (nr <= 0) break;
+          __m512 v = _mm512_permutex2var_ps(acc[m][s][0], h ? second : first, acc[m][s][1]);
+          float* out = g.c + long(m) * g.ldc + n0;
+          if (g.alpha != 1.f) v = _mm512_mul_ps(v, _mm512_set1_ps(g.alpha));
+          if (g.accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(first16(nr), out));
+          if (g.stream && !g.accumulate && nr >= TR && reinterpret_cast<uintptr_t>(out) % 64 == 0)
+            _mm512_stream_ps(out, v);
+          else
+            _mm512_mask_storeu_ps(out, first16(nr), v);
+        }
+      }
+  }
+  if (g.stream) _mm_sfence();
+}
+
+// Whether direct_nn_rows computes this product: 1-2 rows, nothing packed ahead, and quantized weights whose
+// 32-column strips each lie in one block or group (bf16x32's condition; else tile_nn decodes them via a buffer).
+template <class TB>
+bool direct_nn(const TileNN<TB>& g) {
+  if (g.M > 2 || g.packed[0] || g.packed[1]) return false;
+  if constexpr (!std::is_same_v<TB, bf16>)
+    if (g.b_off % TC != 0 || g.N % TC != 0) return false;
+  if (g.M == 1)
+    direct_nn_rows<1, 12>(g);
+  else
+    direct_nn_rows<2, 6>(g);
+  return true;
+}
+
 // Axpy form: the item's weight panel B[0..K, b_off..b_off + N) packed as the B operand (the nt layout of its
 // transpose) while the first block row computes; result tile (i, j) = activation rows i·16.., output
 // columns j·16... With more segments (TileNN's `second`, `f32`) their reduction blocks follow B's in the panel.
@@ -388,6 +497,8 @@ void tile_nt(const TileNT<TB>& g) {
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
+  if constexpr (Tiles::kDirectFewRows)
+    if (direct_nn(g)) return;
   // With the weights' B operand packed ahead (g.packed), block columns go in pairs to the end, as that copy
   // stores them: the panel of the other segments then has the same order, and tiles past N are not put. (An even
   // count: tile_blocks takes a lone or third block column's lanes to be in column order.)
