@@ -13,8 +13,9 @@ it; gradient_checkpointing_enable sets it, LLaMA-Factory to its wrapper of torch
 RecomputeAhead at the model's next forward, whoever enabled checkpointing and whenever. The wrapper hands the
 checkpoint function a stand-in for the layer's call, one Pass per call, which
 - in the first forward (grad off, outside backward: reentrant checkpointing's first pass) notes the RNG and
-  autocast state the checkpoint restores for its recompute, and links itself to the previous layer's Pass when
-  its input is that pass's output (the same tensor: nothing in between, the same forward);
+  autocast state the checkpoint restores for its recompute and its inputs, by weak reference (torch's checkpoint
+  keeps them; one that lets them go, e.g. to host RAM, gets no work ahead), and links itself to the previous
+  layer's Pass when its input is that pass's output (the same tensor: nothing in between, the same forward);
 - in the recompute (grad on, inside backward) returns what was computed ahead, if anything was, and hands its
   inputs' gradients to the inputs the checkpoint passed it (where reentrant checkpointing reads them); else it
   computes as before.
@@ -32,6 +33,7 @@ import contextlib
 import functools
 import types
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -55,6 +57,17 @@ def _autocast_state() -> list:
             for kind in kinds]
 
 
+class _Held(NamedTuple):
+    """A first forward's tensor input, by weak reference, and its version counter then."""
+    ref: weakref.ref
+    version: int
+
+    def get(self) -> torch.Tensor | None:
+        """The tensor, if something still holds it and it was not changed in place since."""
+        t = self.ref()
+        return t if t is not None and t._version == self.version else None
+
+
 class Pass:
     """One call of a checkpointed layer (module docstring): its first forward, its recompute, the work ahead."""
 
@@ -67,7 +80,8 @@ class Pass:
         if not torch.is_grad_enabled() and not recomputing():
             self._note(args, kwargs)
             out = self.func(*args, **kwargs)
-            self.output = out[0] if isinstance(out, tuple) and out else out
+            first = out[0] if isinstance(out, tuple) and out else out
+            self.output = weakref.ref(first) if isinstance(first, torch.Tensor) else None
             return out
         if not (torch.is_grad_enabled() and recomputing()):
             return self.func(*args, **kwargs)
@@ -86,20 +100,27 @@ class Pass:
         global _latest, _recomputed
         latest = _alive(_latest)
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if latest is not None and first is not None and first is latest.output:
+        if latest is not None and first is not None and first is _alive(latest.output):
             self.previous = _latest
         else:
             _recomputed = None  # a new forward: any backward noted before is over
-        if latest is not None:
-            latest.output = None  # held only for the check above
         _latest = weakref.ref(self)
         devices = sorted({a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda}, key=str)
         self.state = (torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices], _autocast_state())
-        self.args, self.kwargs = args, kwargs
+        # Tensors by weak reference: the checkpoint function keeps what its recompute needs (torch's saves them),
+        # and what it lets go (one that offloads them) is not kept here either: that layer's recompute runs as before.
+        self.args = tuple(_Held(weakref.ref(a), a._version) if isinstance(a, torch.Tensor) else a for a in args)
+        self.kwargs = kwargs
+
+    def ready(self) -> bool:
+        """Whether the recompute can run ahead: a first forward noted, not yet recomputed, its inputs still held
+        and unchanged since."""
+        return self.state is not None and all(a.get() is not None for a in self.args if isinstance(a, _Held))
 
     def compute_ahead(self):
         """The recompute, now (module docstring); once, after a first forward."""
-        (cpu_rng, device_rngs, autocast), args, kwargs = self.state, self.args, self.kwargs
+        (cpu_rng, device_rngs, autocast), kwargs = self.state, self.kwargs
+        args = tuple(a.get() if isinstance(a, _Held) else a for a in self.args)
         self.args = self.kwargs = self.state = None
         inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
         with torch.random.fork_rng(devices=[d for d, _ in device_rngs], device_type="cuda"):
@@ -131,7 +152,7 @@ def _work_ahead():
     if running is None or not recompute_ahead():
         return None
     previous, running.previous = _alive(running.previous), None
-    return previous.compute_ahead if previous is not None and previous.state is not None else None
+    return previous.compute_ahead if previous is not None and previous.ready() else None
 
 
 def _run_pass(p: Pass, _layer, *args, **kwargs):

@@ -221,3 +221,42 @@ def test_the_work_ahead_adds_no_time_to_the_step_profile(four_layers, monkeypatc
     assert timing.engine_seconds()["transfer"] < 0.05
     assert timing.engine_seconds()["backward"] >= 0.05 * (LAYERS - 1)  # the engine's spans hold the work
     assert sum(timing.engine_seconds().values()) <= wall
+
+
+class CopyingCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint that keeps a copy of the layer's input rather than the input (as LLaMA-Factory's
+    unsloth option keeps one in host RAM), and reads its gradient from that copy."""
+
+    @staticmethod
+    def forward(ctx, run, hidden_states, *args):
+        ctx.run, ctx.args = run, args
+        ctx.save_for_backward(hidden_states.detach().clone())
+        with torch.no_grad():
+            return run(hidden_states, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (hidden_states,) = ctx.saved_tensors
+        hidden_states.requires_grad_(True)
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.run(hidden_states, *ctx.args), grad)
+        return (None, hidden_states.grad) + (None,) * len(ctx.args)
+
+
+def test_a_checkpoint_that_lets_the_input_go_recomputes_as_before(four_layers, monkeypatch):
+    # Nothing here holds a layer's input for the work ahead: where the checkpoint keeps only a copy, the input is
+    # gone by backward, and the layer's recompute runs in the stock order. Layer 0's input, the embeddings' output
+    # made to require grad, is a leaf that autograd holds: it is computed ahead, once per step.
+    def enable(model):
+        model.get_base_model()._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=CopyingCheckpoint.apply)
+        model.enable_input_require_grads()
+
+    monkeypatch.setenv("KT_SFT_RECOMPUTE_AHEAD", "0")
+    reference = lora_model("qwen3_moe")
+    enable(reference)
+    expected = train(reference)
+    monkeypatch.delenv("KT_SFT_RECOMPUTE_AHEAD")
+    model = lora_model("qwen3_moe")
+    enable(model)
+    assert_same(train(model), expected)
+    assert four_layers.count("ahead") == 2
