@@ -3,7 +3,7 @@ under no_grad; each call routes to a different random expert set, as decode does
 RAM rather than cache; min over rounds of the median of 40 calls) on a bench_layer shape. Run it alternately
 against two builds to compare them on a noisy machine.
 
-  python benchmarks/bench_step.py [--shape S|Q|DS] [--format bf16|fp8|int4] [--skip-train]
+  python benchmarks/bench_step.py [--shape S|Q|DS] [--format bf16|fp8|int4] [--skip-train] [--r 0]
 """
 import argparse
 import statistics
@@ -22,14 +22,17 @@ def main():
     ap.add_argument("--shape", default="S", choices=sorted(SHAPES))
     ap.add_argument("--format", default="bf16", choices=("bf16", "fp8", "int4"), help="the experts' format")
     ap.add_argument("--skip-train", action="store_true", help="decode only")
+    ap.add_argument("--r", type=int, help="LoRA rank (default: the shape's; 0: no LoRA)")
     args = ap.parse_args()
     s = SHAPES[args.shape]
-    E, H, I, K, T, r = s["E"], s["H"], s["I"], s["K"], s["T"], s["r"]
+    E, H, I, K, T = s["E"], s["H"], s["I"], s["K"], s["T"]
+    r = s["r"] if args.r is None else args.r
     gu, dn = make_layer(E, H, I, r)
     q = quantized(args.format, gu, dn)
     m = experts_module(gu, dn, q)
-    m.add_lora(r, 2 * r)
-    line = f"shape {args.shape}, {args.format}: "
+    if r:
+        m.add_lora(r, 2 * r)
+    line = f"shape {args.shape}, {args.format}, r={r}: "
     if not args.skip_train:
         x, idx, w = make_inputs(T, H, E, K)
         xg, wg, g = x.clone().requires_grad_(), w.clone().requires_grad_(), torch.randn_like(x)
