@@ -86,7 +86,7 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 //   so few rows, the same (BENCHMARKS.md, eighth session of 2026-12-05).
 struct Bf16Tiles {
   static constexpr int kColumnBlocks = 3;
-  static constexpr bool kDirectFewRows = true;  // 1-2 rows without the panel (tile_body.h, direct_nn)
+  static constexpr bool kDirectFewRows = true;  // 1-3 rows without the panel (tile_body.h, direct_nn)
   static void begin() {}
   template <class Before, class ATile, class AStride, class BTile>
   static void block(bool i2, int nj, int a_rows, int last_lanes, int KC, Before before, ATile a_tile,

@@ -380,14 +380,14 @@ void tile_nt(const TileNT<TB>& g) {
   if (g.stream) _mm_sfence();
 }
 
-// Axpy form at 1-2 rows on the emulated tiles (nothing packed ahead): each pair of weight rows is interleaved in
+// Axpy form at 1-3 rows on the emulated tiles (nothing packed ahead): each pair of weight rows is interleaved in
 // registers (unpack_pair) and multiplied there, so the weights are read once and never stored. tile_nn's panel is
-// written and read again for every item, which at 1-2 rows took half of the product's time (tile_bench nn 2048
-// 1536: 381-385 µs at M = 1-2 against 184-194 with the panel packed ahead; direct 238-284 µs; Zen 4, BENCHMARKS.md).
-// Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks every weight
-// row again, in pieces of S cache lines, so at 3 rows and more (S ≤ 4) the short pieces made it as slow as the
-// panel (4 rows) or slower (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its segments'
-// pairs in order, as a pass of the emulated tiles reduces a chunk.
+// written and read again for every item, which at 1-3 rows took about half of the product's time (tile_bench nn
+// 2048 1536: 381-409 µs at M = 1-3 against 181-218 with the panel packed ahead; direct 238 / 281 / 354 µs; Zen 4,
+// BENCHMARKS.md). Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks
+// every weight row again, in pieces of S cache lines, so from 4 rows (S ≤ 3) the short pieces made it as slow as
+// the panel (4 rows) or slower (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its
+// segments' pairs in order, as a pass of the emulated tiles reduces a chunk.
 template <int M, int S, class TB>
 void direct_nn_rows(const TileNN<TB>& g) {
   static_assert(2 * M * S <= 24, "the sums stay in registers");
@@ -477,17 +477,19 @@ void direct_nn_rows(const TileNN<TB>& g) {
   if (g.stream) _mm_sfence();
 }
 
-// Whether direct_nn_rows computes this product: 1-2 rows, nothing packed ahead, and quantized weights whose
+// Whether direct_nn_rows computes this product: 1-3 rows, nothing packed ahead, and quantized weights whose
 // 32-column strips each lie in one block or group (bf16x32's condition; else tile_nn decodes them via a buffer).
 template <class TB>
 bool direct_nn(const TileNN<TB>& g) {
-  if (g.M > 2 || g.packed[0] || g.packed[1]) return false;
+  if (g.M > 3 || g.packed[0] || g.packed[1]) return false;
   if constexpr (!std::is_same_v<TB, bf16>)
     if (g.b_off % TC != 0 || g.N % TC != 0) return false;
   if (g.M == 1)
     direct_nn_rows<1, 12>(g);
-  else
+  else if (g.M == 2)
     direct_nn_rows<2, 6>(g);
+  else
+    direct_nn_rows<3, 4>(g);
   return true;
 }
 
