@@ -15,6 +15,7 @@ from kt_sft import KTExperts
 from kt_sft.models import use_cpu_experts
 from kt_sft.ops import experts_function, timing
 from tiny_models import COMMON, tiny_model
+from tolerances import FP32_IO, rel_l2
 
 LAYERS = 4
 
@@ -101,12 +102,14 @@ def stock(model_type, monkeypatch, **kwargs):
     return result
 
 
-def assert_same(result, expected):
+def assert_same(result, expected, exact=True):
+    """The same operations on the same values, in another order: bit for bit on the CPU; within FP32_IO where GPU
+    kernels may sum in an order of their own from run to run (attention's backward)."""
     (losses, grads), (losses_ref, grads_ref) = result, expected
-    assert losses == losses_ref
+    assert losses == losses_ref if exact else losses == pytest.approx(losses_ref, rel=FP32_IO)
     assert grads.keys() == grads_ref.keys() and any("experts.lora_A" in n for n in grads)
     for name, g in grads_ref.items():
-        assert torch.equal(grads[name], g), name  # the same operations on the same values, in another order
+        assert torch.equal(grads[name], g) if exact else rel_l2(grads[name], g) <= FP32_IO, name
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "lora_dropout"])
@@ -194,7 +197,7 @@ def test_on_cuda_the_recompute_runs_while_the_engine_computes(monkeypatch):
     expected = stock("qwen3_moe", monkeypatch, dropout=0.2, device="cuda")
     model = lora_model("qwen3_moe", 0.2, log)
     enable_checkpointing(model)
-    assert_same(train(model, device="cuda"), expected)
+    assert_same(train(model, device="cuda"), expected, exact=False)
     assert log == [entry for layer in (1, 0) for entry in
                    (f"backward {layer}", *(["ahead"] if layer else []), f"done {layer}")] * 2
 
