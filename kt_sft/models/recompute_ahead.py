@@ -175,22 +175,18 @@ class RecomputeAhead:
         return self.checkpoint(types.MethodType(functools.partial(_run_pass, Pass(func)), layer), *args, **kwargs)
 
 
-def recompute_ahead_of_the_engine(model: nn.Module) -> int:
+def recompute_ahead_of_the_engine(model: nn.Module) -> None:
     """Has each stack of checkpointable layers in model wrap its layers' checkpoint functions in RecomputeAhead at
-    every forward (a pre-hook on the module that runs the stack); returns how many layers."""
+    every forward (a pre-hook on the module that runs the stack)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    count = 0
     for module in model.modules():
         for child in module.children():
             layers = [m for m in child if isinstance(m, GradientCheckpointingLayer)] \
                 if isinstance(child, nn.ModuleList) else []
             if layers:
                 module.register_forward_pre_hook(functools.partial(_wrap_checkpointing, layers))
-                count += len(layers)
-    if count:
-        experts_function.beside_backward(_work_ahead)
-    return count
+                experts_function.beside_backward(_work_ahead)
 
 
 def _wrap_checkpointing(layers, _module, _args) -> None:
