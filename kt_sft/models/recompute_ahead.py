@@ -21,17 +21,20 @@ checkpoint function a stand-in for the layer's call, one Pass per call, which
   computes as before.
 The computation ahead restores the noted RNG and autocast state as the checkpoint does, so its results are the
 recompute's bit for bit (LoRA and attention dropout included). A checkpoint function whose first pass runs with
-grad (non-reentrant) notes nothing, and runs as before.
+grad (non-reentrant) notes nothing, and runs as before; so does one told not to restore the RNG
+(preserve_rng_state=False), whose recompute draws other dropout masks than the first forward's.
 
 Only an engine backward that runs beside the caller computes ahead (on a GPU, while it writes only its own
 buffers: ops/experts_function.py); elsewhere the stock order stays. Cost: the GPU holds the recomputed
-activations of one more layer while layer L's backward runs. KT_SFT_RECOMPUTE_AHEAD=0 turns it off.
+activations of one more layer while layer L's backward runs; out of GPU memory there, it warns and leaves this
+and every later recompute to the checkpoint. KT_SFT_RECOMPUTE_AHEAD=0 turns it off.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import types
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -44,6 +47,7 @@ from ..ops.kept_forward import recomputing
 
 _latest = None  # weakref to the Pass of the latest first forward (the layer the next one may follow)
 _recomputed = None  # weakref to the Pass recomputed last: its layer's backward is the one running
+_out_of_memory = False  # a computation ahead ran out of GPU memory: none is tried again in this process
 
 
 def _alive(ref):
@@ -118,17 +122,29 @@ class Pass:
         return self.state is not None and all(a.get() is not None for a in self.args if isinstance(a, _Held))
 
     def compute_ahead(self):
-        """The recompute, now (module docstring); once, after a first forward."""
+        """The recompute, now (module docstring); once, after a first forward. Out of GPU memory (it holds one
+        more layer's activations than the stock order), it leaves the recompute to the checkpoint, with a warning,
+        and no later layer computes ahead."""
+        global _out_of_memory
+        if not self.ready():  # asked when the engine's backward started; nodes ran since
+            return
         (cpu_rng, device_rngs, autocast), kwargs = self.state, self.kwargs
         args = tuple(a.get() if isinstance(a, _Held) else a for a in self.args)
         self.args = self.kwargs = self.state = None
         inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args)
-        with torch.random.fork_rng(devices=[d for d, _ in device_rngs], device_type="cuda"):
-            torch.set_rng_state(cpu_rng)
-            for device, rng in device_rngs:
-                torch.cuda.set_rng_state(rng, device)
-            with torch.enable_grad(), _autocast(autocast):
-                outputs = self.func(*inputs, **kwargs)
+        try:
+            with torch.random.fork_rng(devices=[d for d, _ in device_rngs], device_type="cuda"):
+                torch.set_rng_state(cpu_rng)
+                for device, rng in device_rngs:
+                    torch.cuda.set_rng_state(rng, device)
+                with torch.enable_grad(), _autocast(autocast):
+                    outputs = self.func(*inputs, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            _out_of_memory = True
+            warnings.warn("kt_sft: the GPU ran out of memory recomputing a checkpointed layer ahead of the CPU "
+                          "engine's backward; each layer's recompute runs after it from now on (slower; "
+                          "KT_SFT_RECOMPUTE_AHEAD=0 skips the attempt).", RuntimeWarning)
+            return
         self.ahead = outputs, inputs
 
 
@@ -149,7 +165,7 @@ def _work_ahead():
     """beside_backward's source: the recompute of the layer before the one whose backward runs, if not yet
     run (once)."""
     running = _alive(_recomputed)
-    if running is None or not recompute_ahead():
+    if running is None or _out_of_memory or not recompute_ahead():
         return None
     previous, running.previous = _alive(running.previous), None
     return previous.compute_ahead if previous is not None and previous.ready() else None
@@ -168,11 +184,27 @@ class RecomputeAhead:
     def __call__(self, func, *args, **kwargs):
         target = func.func if isinstance(func, functools.partial) else func
         layer = getattr(target, "__self__", None)
-        if not isinstance(layer, nn.Module) or not recompute_ahead():
+        if not isinstance(layer, nn.Module) or not recompute_ahead() or not _restores_rng(self.checkpoint, kwargs):
             return self.checkpoint(func, *args, **kwargs)
         # Bound to the layer, as the call it stands for: LLaMA-Factory's wrapper looks up the layer's parameters
         # through the function's __self__.
         return self.checkpoint(types.MethodType(functools.partial(_run_pass, Pass(func)), layer), *args, **kwargs)
+
+
+def _restores_rng(checkpoint, kwargs) -> bool:
+    """Whether the checkpoint restores the RNG for its recompute, as the computation ahead does: unless
+    preserve_rng_state=False is passed to it, or bound in a functools.partial of it (transformers'
+    gradient_checkpointing_kwargs), under wrappers that name what they wrap (functools.wraps: LLaMA-Factory's)."""
+    if kwargs.get("preserve_rng_state", True) is False:
+        return False
+    while checkpoint is not None:
+        if isinstance(checkpoint, functools.partial):
+            if checkpoint.keywords.get("preserve_rng_state", True) is False:
+                return False
+            checkpoint = checkpoint.func
+        else:
+            checkpoint = getattr(checkpoint, "__wrapped__", None)
+    return True
 
 
 def recompute_ahead_of_the_engine(model: nn.Module) -> None:

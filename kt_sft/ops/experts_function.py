@@ -195,10 +195,12 @@ class StartEngine(torch.autograd.Function):
         call = ctx.call
         dx, dw, lora_grads, direct, base = call.grads
         work, call.backward_work = call.backward_work, None
-        if work is not None:
-            with uncounted():  # within the engine's span, which its wait adds
-                work()
-        call.running.wait()
+        try:
+            if work is not None:
+                with uncounted():  # within the engine's span, which its wait adds
+                    work()
+        finally:  # work that raised leaves no engine call running behind the error
+            call.running.wait()
         call.running = call.grads = call.saved = None
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
         # dx and dw first: the next GPU work waits for them, and a LoRA on the GPU queues its grads' larger copies

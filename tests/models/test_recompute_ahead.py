@@ -69,8 +69,8 @@ def lora_model(model_type, dropout=0.0, log=None):
     return model.train()
 
 
-def enable_checkpointing(model, use_reentrant=True):
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+def enable_checkpointing(model, use_reentrant=True, **kwargs):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant, **kwargs})
     model.enable_input_require_grads()
 
 
@@ -93,10 +93,10 @@ def train(model, steps=2, device="cpu", autocast=None):
     return losses, grads
 
 
-def stock(model_type, monkeypatch, **kwargs):
+def stock(model_type, monkeypatch, checkpointing=None, **kwargs):
     monkeypatch.setenv("KT_SFT_RECOMPUTE_AHEAD", "0")
     model = lora_model(model_type, kwargs.pop("dropout", 0.0))
-    enable_checkpointing(model)
+    enable_checkpointing(model, **(checkpointing or {}))
     result = train(model, **kwargs)
     monkeypatch.delenv("KT_SFT_RECOMPUTE_AHEAD")
     return result
@@ -186,6 +186,67 @@ def test_through_llamafactorys_checkpoint_wrapper(four_layers, monkeypatch):
     model.enable_input_require_grads()
     assert_same(train(model), expected)
     assert four_layers.count("ahead") == 2 * (LAYERS - 1)
+
+
+@pytest.mark.parametrize("enabled_by", ["transformers", "llamafactory"])
+def test_a_checkpoint_that_does_not_restore_the_rng_keeps_the_stock_order(enabled_by, four_layers, monkeypatch):
+    # preserve_rng_state=False: the checkpoint's recompute draws new dropout masks, which the work ahead (restoring
+    # the first forward's RNG) would not; bound in transformers' partial of torch's checkpoint, and found under
+    # LLaMA-Factory's wrapper of that partial.
+    from llamafactory.model.model_utils.checkpointing import _gradient_checkpointing_enable
+
+    no_restore = {"preserve_rng_state": False}
+    expected = stock("qwen3_moe", monkeypatch, checkpointing=no_restore, dropout=0.2)
+    rng = torch.get_rng_state()
+    model = lora_model("qwen3_moe", 0.2)
+    if enabled_by == "llamafactory":
+        _gradient_checkpointing_enable(model.get_base_model(), {"use_reentrant": True, **no_restore})
+        model.enable_input_require_grads()
+    else:
+        enable_checkpointing(model, **no_restore)
+    assert_same(train(model), expected)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert "ahead" not in four_layers
+
+
+def failing_ahead(monkeypatch, error):
+    """The computation ahead raises error once it restored the RNG (where the layer's forward would run)."""
+
+    @contextlib.contextmanager
+    def raising(_state):
+        raise error
+        yield
+
+    monkeypatch.setattr(recompute_ahead, "_autocast", raising)
+
+
+def test_out_of_gpu_memory_ahead_leaves_the_recompute_to_the_checkpoint(four_layers, monkeypatch):
+    # The work ahead holds one more layer's activations than the stock order: out of memory there, the step goes
+    # on in the stock order, with a warning, and no later layer tries again.
+    monkeypatch.setattr(recompute_ahead, "_out_of_memory", False)  # restored after the test
+    expected = stock("qwen3_moe", monkeypatch, dropout=0.2)
+    failing_ahead(monkeypatch, torch.cuda.OutOfMemoryError("CUDA out of memory (a test)"))
+    model = lora_model("qwen3_moe", 0.2)
+    enable_checkpointing(model)
+    with pytest.warns(RuntimeWarning, match="ran out of memory recomputing"):
+        result = train(model)
+    assert_same(result, expected)
+    assert four_layers.count("ahead") == 1
+
+
+def test_an_error_ahead_reaches_the_caller_after_the_engine_is_done(four_layers, monkeypatch):
+    # No engine call is left running behind the error: the next step trains as the stock order would.
+    expected = stock("qwen3_moe", monkeypatch, steps=1)
+    model = lora_model("qwen3_moe", log=four_layers)
+    enable_checkpointing(model)
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with monkeypatch.context() as failing:
+        failing_ahead(failing, RuntimeError("raised ahead (a test)"))
+        with pytest.raises(RuntimeError, match="raised ahead"):
+            model(input_ids=ids, labels=ids).loss.backward()
+    assert four_layers == [f"backward {LAYERS - 1}", "ahead", f"done {LAYERS - 1}"]
+    model.zero_grad(set_to_none=True)
+    assert_same(train(model, steps=1), expected)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
