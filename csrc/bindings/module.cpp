@@ -195,10 +195,8 @@ PYBIND11_MODULE(_C, m) {
     if (ks && ks->tiles) {
       const std::string use = "used for BF16 activations of experts with at least " +
                               std::to_string(rt.tile_rows_for(true, Format::bf16)) +
-                              " rows in a training call" +
-                              (ks->tiles->emulated
-                                   ? "'s forward and " + std::to_string(rt.backward_tile_rows()) + " in its backward"
-                                   : std::string()) +
+                              " rows in a training call's forward and " + std::to_string(rt.backward_tile_rows()) +
+                              " in its backward" +
                               " (inference: " +
                               std::to_string(rt.tile_rows_for(false, Format::bf16)) + " for BF16 weights, " +
                               std::to_string(rt.tile_rows_for(false, Format::fp8_block128)) + " for FP8, " +
