@@ -73,9 +73,9 @@ class Runtime {
   // off-tile form (gemm_nn) widens every weight to float32, two FMAs where vdpbf16ps does one, and decodes FP8/INT4
   // panels to float32 first. Layer Q, alternated processes: on Zen 4 (2 threads, emulated tiles) tiles from one
   // row made the backward 15-25% faster at T = 16-32 (1-2 rows per expert on average), INT4's 20-35% and FP8's
-  // 8-35% at T = 16-64; on the GPU machine's Xeon (15 threads, AMX) BF16's 25-30%, FP8's 24-27% and INT4's 38-44%
-  // at T = 16-32, 9-22% at 64; neither moved beyond the noise at T = 128-2048 (BENCHMARKS.md, eighth session of
-  // 2026-12-05 and third session of 2026-12-06).
+  // 8-35% at T = 16-64; on the GPU machine's Xeon (15 threads, AMX) BF16's 27-28%, FP8's 24% and INT4's 40-43%
+  // at T = 16-32, 9-21% at 64 (medians); nothing moved beyond the noise at T = 128-512 on Zen 4, 128-2048 on the
+  // Xeon (BENCHMARKS.md, eighth session of 2026-12-05 and third session of 2026-12-06).
   int backward_tile_rows() const { return std::max(1, tile_min_rows_ / 4); }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }
