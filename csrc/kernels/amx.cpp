@@ -30,7 +30,9 @@ struct AmxTiles {
   // intrinsics take register numbers as literals): one or two block columns at a time. The counts of valid A rows
   // and B lanes go unused: the tiles are configured once, full.
   static constexpr int kColumnBlocks = 2;
-  static constexpr bool kDirectFewRows = true;  // 1-3 rows without the panel (tile_body.h, direct_nn; runtime.h)
+  // 1-3 rows without the panel (tile_body.h, direct_nn; runtime.h) whether or not the backward copy packed it: the
+  // tile unit rounds its sums otherwise than direct_nn's vdpbf16ps, and the copy's results stay bit-identical.
+  static constexpr bool kDirectWhenPacked = true;
   template <class Before, class ATile, class AStride, class BTile>
   static void block(bool i2, int nj, int, int, int KC, Before before, ATile a_tile, AStride a_stride, BTile b_tile,
                     long b_stride, float (*t)[TR * TR]) {

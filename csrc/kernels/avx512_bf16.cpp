@@ -86,7 +86,9 @@ void gemm_nt_bf16_dot(const GemmNT<bf16>& g) {
 //   so few rows, the same (BENCHMARKS.md, eighth session of 2026-12-05).
 struct Bf16Tiles {
   static constexpr int kColumnBlocks = 3;
-  static constexpr bool kDirectFewRows = true;  // 1-3 rows without the panel (tile_body.h, direct_nn)
+  // 1-3 rows without the panel (tile_body.h, direct_nn), except where the backward copy packed it: that form ran
+  // them faster (tile_bench nnp), and both sum the same BF16 pairs in the same order.
+  static constexpr bool kDirectWhenPacked = false;
   static void begin() {}
   template <class Before, class ATile, class AStride, class BTile>
   static void block(bool i2, int nj, int a_rows, int last_lanes, int KC, Before before, ATile a_tile,

@@ -384,11 +384,11 @@ void tile_nt(const TileNT<TB>& g) {
   if (g.stream) _mm_sfence();
 }
 
-// Axpy form at 1-3 rows on the emulated tiles (nothing packed ahead): each pair of weight rows is interleaved in
-// registers (unpack_pair) and multiplied there, so the weights are read once and never stored. tile_nn's panel is
-// written and read again for every item, which at 1-3 rows took about half of the product's time (tile_bench nn
-// 2048 1536: 381-409 µs at M = 1-3 against 181-218 with the panel packed ahead; direct 238 / 281 / 354 µs; Zen 4,
-// BENCHMARKS.md). Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks
+// Axpy form at 1-3 rows (on the emulated tiles: when nothing is packed ahead): each pair of weight rows is
+// interleaved in registers (unpack_pair) and multiplied there, so the weights are read once and never stored.
+// tile_nn's panel is written and read again for every item, which at 1-3 rows took about half of the product's time
+// (tile_bench nn 2048 1536: 381-409 µs at M = 1-3 against 181-218 with the panel packed ahead; direct 238 / 281 /
+// 354 µs; Zen 4; on AMX, one thread, direct 10-20% faster than the panel at 1-2 rows; BENCHMARKS.md). Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks
 // every weight row again, in pieces of S cache lines, so from 4 rows (S ≤ 3) the short pieces made it as slow as
 // the panel (4 rows) or slower (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its
 // segments' pairs in order, as a pass of the emulated tiles reduces a chunk.
@@ -476,11 +476,12 @@ void direct_nn_rows(const TileNN<TB>& g) {
   if (g.stream) _mm_sfence();
 }
 
-// Whether direct_nn_rows computes this product: 1-3 rows, nothing packed ahead, and quantized weights whose
-// 32-column strips each lie in one block or group (bf16x32's condition; else tile_nn decodes them via a buffer).
+// Whether direct_nn_rows computes this product: 1-3 rows, quantized weights whose 32-column strips each lie in one
+// block or group (bf16x32's condition; else tile_nn decodes them via a buffer), and nothing packed ahead unless
+// `when_packed` (the tile set's kDirectWhenPacked).
 template <class TB>
-bool direct_nn(const TileNN<TB>& g) {
-  if (g.M > 3 || g.packed[0] || g.packed[1]) return false;
+bool direct_nn(const TileNN<TB>& g, bool when_packed) {
+  if (g.M > 3 || (!when_packed && (g.packed[0] || g.packed[1]))) return false;
   if constexpr (!std::is_same_v<TB, bf16>)
     if (g.b_off % TC != 0 || g.N % TC != 0) return false;
   if (g.M == 1)
@@ -500,8 +501,7 @@ bool direct_nn(const TileNN<TB>& g) {
 template <class Tiles, class TB>
 void tile_nn(const TileNN<TB>& g) {
   if (g.M <= 0 || g.N <= 0) return;
-  if constexpr (Tiles::kDirectFewRows)
-    if (direct_nn(g)) return;
+  if (direct_nn(g, Tiles::kDirectWhenPacked)) return;
   // With the weights' B operand packed ahead (g.packed), block columns go in pairs to the end, as that copy
   // stores them: the panel of the other segments then has the same order, and tiles past N are not put. (An even
   // count: tile_blocks takes a lone or third block column's lanes to be in column order.)
