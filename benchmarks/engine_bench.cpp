@@ -7,7 +7,8 @@
 // spell of a shared machine moves far less than it moves rounds run one after another. Phases: one format only.
 //   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
 //         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench engine_bench   (one command)
-//   build/bench/engine_bench [threads] [bf16|fp8|int4[,...]] [T] [S|Q|DS]    (defaults: all CPUs, int4, 1, Q)
+//   build/bench/engine_bench [threads] [bf16|fp8|int4[,...]] [T] [S|Q|DS] [tile_min_rows]
+//   (defaults: all CPUs, int4, 1, Q, 0 = the engine's default; 1 << 20 keeps every expert off the tiles)
 // KT_SFT_KERNELS picks the kernel set as for the Python package.
 #include <algorithm>
 #include <chrono>
@@ -100,7 +101,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   const char* kernels = getenv("KT_SFT_KERNELS");
-  Runtime::get().configure(threads, true, kernels ? kernels : "", 0);
+  Runtime::get().configure(threads, true, kernels ? kernels : "", argc > 5 ? atoi(argv[5]) : 0);
   std::mt19937 rng(3);
   std::vector<std::unique_ptr<Weights>> weights;
   std::vector<std::unique_ptr<MoeExperts>> experts;

@@ -35,11 +35,10 @@ class Scratch {
   size_t cap_[N_SLOTS] = {};
 };
 
-// An expert's rows in a training call from which the tile kernels are used; an inference forward, which packs
-// no weights, switches at a quarter of it for BF16 weights and at twice it for FP8/INT4 ones (decoded to BF16
-// before the tile unit takes them). On the GPU machine BF16 tiles won from 1 row per expert up (1.1-1.2x at
-// 1-4 rows, 2.4x at 128), quantized ones from 4 rows in training and 8 in inference (BENCHMARKS.md, "AMX
-// crossover"); 4 keeps the margin where the two were within noise.
+// An expert's rows in a call from which the tile kernels are used: in training, and in inference on AMX; an
+// inference forward on emulated tiles switches at twice it (four times for INT4). On the GPU machine BF16 tiles
+// won from 1 row per expert up against the float32 avx512 set (1.1-1.2x at 1-4 rows, 2.4x at 128), quantized ones
+// from 4 rows in training (BENCHMARKS.md, "AMX crossover"); 4 keeps the margin where the two were within noise.
 constexpr int kTileMinRows = 4;
 // The most engine threads configure() takes: max(1024, 4 per CPU this process may use).
 int max_threads();
@@ -55,17 +54,15 @@ class Runtime {
   const KernelSet& kernels() const;
   int threads() const { return pool_->size(); }
   int tile_min_rows() const { return tile_min_rows_; }
-  // The rows from which an expert takes the tiles in a call: tile_min_rows in training. An inference forward
-  // packs no weights: on AMX, BF16 rows load in place, so tiles pay from a quarter of it; FP8/INT4 rows are
-  // decoded and rounded to BF16 first, which the AVX-512 kernels' fused decode-and-dot beats below twice it,
-  // as the dot-form kernels beat emulated tiles (16-lane products) there for BF16 rows too. INT4 rows on
-  // vdpbf16ps (quantized_bf16_dot.h) beat emulated tiles below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
-  // rows per expert, 4% at 16; BENCHMARKS.md, third session of 2026-12-01).
+  // The rows from which an expert takes the tiles in a call. In an inference forward on AMX every format takes
+  // them from tile_min_rows: below it the amx set's own dot forms on vdpbf16ps ran BF16 12-16% faster than the
+  // tiles at 1-2 rows per expert, and from it INT4's and FP8's tiles ran 4-25% faster than those dot forms at 2-4
+  // (Layer Q from RAM, engine_bench; BENCHMARKS.md, third session of 2026-12-06). On emulated tiles (16-lane
+  // products) the dot forms win below twice it, INT4's below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
+  // rows per expert, 4% at 16; third session of 2026-12-01).
   int tile_rows_for(bool training, Format f) const {
-    if (training) return tile_min_rows_;
-    const bool emulated = emulated_tiles();
-    if (f == Format::bf16 && !emulated) return std::max(1, tile_min_rows_ / 4);
-    return (f == Format::int4_group32 && emulated ? 4 : 2) * tile_min_rows_;
+    if (training || !emulated_tiles()) return tile_min_rows_;
+    return (f == Format::int4_group32 ? 4 : 2) * tile_min_rows_;
   }
   // The backward's: experts of every format take the tiles from a quarter of tile_min_rows, where a product of
   // 1-3 rows runs without the panel (direct_nn). The forward keeps tile_min_rows: its dot forms run few rows
