@@ -1,10 +1,10 @@
 """Where the tile (AMX) kernels start to pay: Layer Q shape at growing T (rows per expert = T·K/E), ours with
 every expert on tiles (tile_min_rows 1; the default kernel set: amx, or avx512_bf16's tiles on vdpbf16ps) against
 the same kernel set with the tiles off (its dot forms, what runs below the thresholds; `--baseline avx512`: the
-float32 avx512 set, as measured before those forms existed), side by side in one run: the inference forward, the training forward and its
-backward. The smallest rows per expert at which tiles win for each is what Runtime::tile_rows_for and
-backward_tile_rows take (csrc/moe/runtime.h). --format fp8|int4 measures quantized experts, whose tile path
-decodes each weight row to BF16 first. Needs a CPU with AMX or AVX-512 BF16.
+float32 avx512 set, as measured before those forms existed), side by side in one run: the inference forward, the
+training forward and its backward. The smallest rows per expert at which tiles win for each is what
+Runtime::tile_rows_for and backward_tile_rows take (csrc/moe/runtime.h). --format fp8|int4 measures quantized
+experts, whose tile path decodes each weight row to BF16 first. Needs a CPU with AMX or AVX-512 BF16.
 
   python benchmarks/bench_tiles.py --T 1,16,32,64,128,256,512 [--format bf16|fp8|int4] [--rounds N]
 """
@@ -59,6 +59,7 @@ def main():
                      ((got[0][k], got[1][k]) for k in ("infer", "fwd", "bwd"))]
             print(f"{rnd:5d} {T:5d} {T * K / E:11.2f} " + " ".join(f"{c:>22s}" for c in cells))
     kt_sft.configure(kernels="", tile_min_rows=0)
+
 
 if __name__ == "__main__":
     main()

@@ -388,10 +388,11 @@ void tile_nt(const TileNT<TB>& g) {
 // interleaved in registers (unpack_pair) and multiplied there, so the weights are read once and never stored.
 // tile_nn's panel is written and read again for every item, which at 1-3 rows took about half of the product's time
 // (tile_bench nn 2048 1536: 381-409 µs at M = 1-3 against 181-218 with the panel packed ahead; direct 238 / 281 /
-// 354 µs; Zen 4; on AMX, one thread, direct 10-20% faster than the panel at 1-2 rows; BENCHMARKS.md). Columns go in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks
-// every weight row again, in pieces of S cache lines, so from 4 rows (S ≤ 3) the short pieces made it as slow as
-// the panel (4 rows) or slower (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its
-// segments' pairs in order, as a pass of the emulated tiles reduces a chunk.
+// 354 µs; Zen 4; on AMX, one thread, direct 10-20% faster than the panel at 1-2 rows; BENCHMARKS.md). Columns go
+// in blocks of S 32-column strips whose 2·M·S sums stay in registers; each block walks every weight row again, in
+// pieces of S cache lines, so from 4 rows (S ≤ 3) the short pieces made it as slow as the panel (4 rows) or slower
+// (6-8 rows: 940-1010 against 530-560 µs). Every element is reduced over its segments' pairs in order, as a pass of
+// the emulated tiles reduces a chunk.
 template <int M, int S, class TB>
 void direct_nn_rows(const TileNN<TB>& g) {
   static_assert(2 * M * S <= 24, "the sums stay in registers");

@@ -56,8 +56,8 @@ class Runtime {
   int tile_min_rows() const { return tile_min_rows_; }
   // The rows from which an expert takes the tiles in a call. In an inference forward on AMX every format takes
   // them from tile_min_rows: below it the amx set's own dot forms on vdpbf16ps ran BF16 12-16% faster than the
-  // tiles at 1-2 rows per expert, and from it INT4's and FP8's tiles ran 4-25% faster than those dot forms at 2-4
-  // (Layer Q from RAM, engine_bench; BENCHMARKS.md, third session of 2026-12-06). On emulated tiles (16-lane
+  // tiles at 0.5-2 rows per expert, and from it INT4's and FP8's tiles ran 5-11% faster than those dot forms at 2-4
+  // (Layer Q from RAM, engine_bench, medians; BENCHMARKS.md, third session of 2026-12-06). On emulated tiles (16-lane
   // products) the dot forms win below twice it, INT4's below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
   // rows per expert, 4% at 16; third session of 2026-12-01).
   int tile_rows_for(bool training, Format f) const {
