@@ -193,14 +193,12 @@ PYBIND11_MODULE(_C, m) {
     d["kernels"] = ks ? py::object(py::str(ks->name)) : py::object(py::none());
     std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
     if (ks && ks->tiles) {
-      const std::string use = "used for BF16 activations of experts with at least " +
-                              std::to_string(rt.tile_rows_for(true, Format::bf16)) +
-                              " rows in a training call's forward and " + std::to_string(rt.backward_tile_rows()) +
-                              " in its backward" +
-                              " (inference: " +
-                              std::to_string(rt.tile_rows_for(false, Format::bf16)) + " for BF16 weights, " +
-                              std::to_string(rt.tile_rows_for(false, Format::fp8_block128)) + " for FP8, " +
-                              std::to_string(rt.tile_rows_for(false, Format::int4_group32)) + " for INT4)";
+      const std::string use =
+          "used for BF16 activations of experts with at least so many rows in a call (forward: BF16 weights " +
+          std::to_string(rt.forward_tile_rows(Format::bf16)) + ", FP8 " +
+          std::to_string(rt.forward_tile_rows(Format::fp8_block128)) + ", INT4 " +
+          std::to_string(rt.forward_tile_rows(Format::int4_group32)) +
+          "; backward: " + std::to_string(rt.backward_tile_rows()) + ")";
       const std::string why_no_amx = tiles.empty() ? "" : "; " + tiles;
       tiles = ks->tiles->emulated
                   ? "the tile unit's operations on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +

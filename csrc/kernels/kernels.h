@@ -180,7 +180,7 @@ struct TileKernels {
   void (*nt_f32)(const TileNT<float>&);
   void (*nn_f32)(const TileNN<float>&);
   // The tile operations run on vdpbf16ps (avx512_bf16, no AMX): a product then pays only for rows that fill
-  // much of a 16-lane vector, so inference keeps the other kernels for fewer rows (Runtime::tile_rows_for).
+  // much of a 16-lane vector, so forwards keep the other kernels for fewer rows (Runtime::forward_tile_rows).
   bool emulated;
 };
 

@@ -599,7 +599,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
 
   const long tile = per_thread_tile(H, I, r);
   float* per_thread = sc.get(Scratch::PER_THREAD, size_t(rt.threads()) * tile);
-  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.tile_rows_for(save, format_));
+  const TilePlan tp = plan_tiles(*sv, E_, ks, x.dtype == DType::bf16, rt.forward_tile_rows(format_));
   bf16* XT = tp.rows() ? sc.get_bf16(Scratch::TILE0, tp.rows() * tile_ld(H)) : nullptr;
   bf16* HT = tp.rows() ? sc.get_bf16(Scratch::TILE1, tp.rows() * tile_ld(I)) : nullptr;
   // LoRA of experts on tiles (RankTiles): z = x·Aᵀ and h·A_downᵀ, and down's z·Bᵀ (z in BF16, nt layout: ZD).

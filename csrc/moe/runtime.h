@@ -35,10 +35,10 @@ class Scratch {
   size_t cap_[N_SLOTS] = {};
 };
 
-// An expert's rows in a call from which the tile kernels are used: in training, and in inference on AMX; an
-// inference forward on emulated tiles switches at twice it (four times for INT4). On the GPU machine BF16 tiles
-// won from 1 row per expert up against the float32 avx512 set (1.1-1.2x at 1-4 rows, 2.4x at 128), quantized ones
-// from 4 rows in training (BENCHMARKS.md, "AMX crossover"); 4 keeps the margin where the two were within noise.
+// The rows per expert in a call from which the tile kernels are used (forward_tile_rows, backward_tile_rows derive
+// theirs from it). On the GPU machine BF16 tiles won from 1 row per expert up against the float32 avx512 set
+// (1.1-1.2x at 1-4 rows, 2.4x at 128), quantized ones from 4 rows in training (BENCHMARKS.md, "AMX crossover");
+// 4 keeps the margin where the two were within noise.
 constexpr int kTileMinRows = 4;
 // The most engine threads configure() takes: max(1024, 4 per CPU this process may use).
 int max_threads();
@@ -54,19 +54,22 @@ class Runtime {
   const KernelSet& kernels() const;
   int threads() const { return pool_->size(); }
   int tile_min_rows() const { return tile_min_rows_; }
-  // The rows from which an expert takes the tiles in a call. In an inference forward on AMX every format takes
-  // them from tile_min_rows: below it the amx set's own dot forms on vdpbf16ps ran BF16 12-16% faster than the
-  // tiles at 0.5-2 rows per expert, and from it INT4's and FP8's tiles ran 5-11% faster than those dot forms at 2-4
-  // (Layer Q from RAM, engine_bench, medians; BENCHMARKS.md, third session of 2026-12-06). On emulated tiles (16-lane
-  // products) the dot forms win below twice it, INT4's below four times it (Zen 4, Layer Q: 14-19% faster at 6-12
-  // rows per expert, 4% at 16; third session of 2026-12-01).
-  int tile_rows_for(bool training, Format f) const {
-    if (training || !emulated_tiles()) return tile_min_rows_;
+  // The rows from which an expert takes the tiles in a forward, training or inference. On AMX every format takes
+  // them from tile_min_rows: below it the amx set's own dot forms on vdpbf16ps ran BF16 inference 12-16% faster
+  // than the tiles at 0.5-2 rows per expert, and from it INT4's and FP8's tiles ran 5-11% faster than those dot
+  // forms at 2-4 (Layer Q from RAM, engine_bench, medians); the training forward's crossover lies at 2-4 rows per
+  // expert for all three. On emulated tiles (16-lane products) the dot forms win below twice it, INT4's below four
+  // times it: inference 14-19% faster at 6-12 rows per expert, 4% at 16 (Zen 4, Layer Q, third session of
+  // 2026-12-01); FP8's and INT4's training forward from those thresholds instead of tile_min_rows 37% faster at
+  // T = 64 and 12-20% at 128 (4 and 8 rows per expert on average), BF16's the same (BENCHMARKS.md, third session
+  // of 2026-12-06).
+  int forward_tile_rows(Format f) const {
+    if (!emulated_tiles()) return tile_min_rows_;
     return (f == Format::int4_group32 ? 4 : 2) * tile_min_rows_;
   }
   // The backward's: experts of every format take the tiles from a quarter of tile_min_rows, where a product of
-  // 1-3 rows runs without the panel (direct_nn). The forward keeps tile_min_rows: its dot forms run few rows
-  // faster (tiles from 1 or 2 rows made Layer Q's forward 20-60% slower at T = 32-64 on Zen 4). The backward's
+  // 1-3 rows runs without the panel (direct_nn). The forward's dot forms run few rows faster (tiles from 1 or 2
+  // rows made Layer Q's forward 20-60% slower at T = 32-64 on Zen 4). The backward's
   // off-tile form (gemm_nn) widens every weight to float32, two FMAs where vdpbf16ps does one, and decodes FP8/INT4
   // panels to float32 first. Layer Q, alternated processes: on Zen 4 (2 threads, emulated tiles) tiles from one
   // row made the backward 15-25% faster at T = 16-32 (1-2 rows per expert on average), INT4's 20-35% and FP8's
