@@ -1,10 +1,11 @@
 """Where the tile (AMX) kernels start to pay: Layer Q shape at growing T (rows per expert = T·K/E), ours with
-every expert on tiles (tile_min_rows 1; the default kernel set: amx, or avx512_bf16's tiles on vdpbf16ps) against
-the same kernel set with the tiles off (its dot forms, what runs below the thresholds; `--baseline avx512`: the
-float32 avx512 set, as measured before those forms existed), side by side in one run: the inference forward, the
-training forward and its backward. The smallest rows per expert at which tiles win for each is what
-Runtime::tile_rows_for and backward_tile_rows take (csrc/moe/runtime.h). --format fp8|int4 measures quantized
-experts, whose tile path decodes each weight row to BF16 first. Needs a CPU with AMX or AVX-512 BF16.
+the experts on tiles from the fewest rows (tile_min_rows 1; the default kernel set: amx, or avx512_bf16's tiles on
+vdpbf16ps) against the same kernel set with the tiles off (its other kernels, what runs below the thresholds;
+`--baseline avx512`: the float32 avx512 set, as measured before the quantized dot forms existed), side by side in
+one run: the inference forward, the training forward and its backward. The smallest rows per expert at which tiles
+win for each is what Runtime::forward_tile_rows and backward_tile_rows take (csrc/moe/runtime.h). --format fp8|int4
+measures quantized experts, whose tile path decodes each weight row to BF16 first. Needs a CPU with AMX or AVX-512
+BF16.
 
   python benchmarks/bench_tiles.py --T 1,16,32,64,128,256,512 [--format bf16|fp8|int4] [--rounds N]
 """
@@ -42,7 +43,8 @@ def main():
     E, H, I, K, r = s["E"], s["H"], s["I"], s["K"], s["r"]
     gu, dn = make_layer(E, H, I, r)
     q = quantized(args.format, gu, dn)
-    # tile_min_rows 1 puts every expert on tiles (quantized inference from 2 rows); 1 << 20 none.
+    # tile_min_rows 1: on AMX every expert on tiles; on the emulated set forwards from 2 rows (INT4 4), backwards
+    # from 1. 1 << 20: none.
     base = (tiles, 1 << 20) if args.baseline == "dot" else ("avx512", 0)
     print(f"Layer Q {args.format}, kernel set {tiles}, {caps['threads']} threads; ms (median of {args.reps}); "
           f"each pair: tiles / {args.baseline} (ratio = {args.baseline} / tiles)")

@@ -2,8 +2,9 @@
 // kernels themselves at a given number of activation rows M (an expert's tokens), apart from memory and
 // threads. `nt` is the forward's dot form (x·Wᵀ, W [N, K] read in place), `nn` the backward's axpy form (dy·W,
 // W [K, N] packed into a panel on the way), `nnp` the same with W packed ahead as the backward copy stores it
-// (moe/backward_copy.h): nn against nnp is what packing the panel costs. Each M prints the median call and GFLOP/s
-// over its M rows; rows that leave the last 16-row tile part empty show what padding costs.
+// (moe/backward_copy.h): nn against nnp is what packing the panel costs (on AMX both time direct_nn at M = 1-3).
+// Each M prints the median call and GFLOP/s over its M rows; rows that leave the last 16-row tile part empty show
+// what padding costs.
 //   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
 //         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench tile_bench   (one command)
 //   taskset -c 1 build/bench/tile_bench nt 1536 2048 16,24,32,36,40,48 [reps]    (Layer Q's gate/up)

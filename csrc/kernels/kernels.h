@@ -158,9 +158,10 @@ struct TileNN {
   TileF32 f32[2]{};
   bool stream = false;
   // The B operand of the weight segments (b, then `second`) as packed once ahead of the call (the backward copy,
-  // moe/backward_copy.h), or null: its tiles then load from there and only the other segments are packed on the
-  // way. Block column j (16 columns from b_off, which is a multiple of 32) of reduction block kc is the 512-element
-  // tile at packed[s] + (j·packed_blocks + kc)·512, pairs of block columns in unpack_pair's order.
+  // moe/backward_copy.h), or null: its tiles then load from there and only the other segments are packed on the way
+  // (b and `second` stay set: on AMX products of 1-3 rows read them in place, tile_body.h direct_nn). Block column
+  // j (16 columns from b_off, which is a multiple of 32) of reduction block kc is the 512-element tile at packed[s]
+  // + (j·packed_blocks + kc)·512, pairs of block columns in unpack_pair's order.
   const bf16* packed[2] = {};
   long packed_blocks = 0;
 };

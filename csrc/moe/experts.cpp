@@ -188,8 +188,8 @@ void run_tile(const TileKernels& t, const TileNT<float>& g) { t.nt_f32(g); }
 void run_tile(const TileKernels& t, const TileNN<float>& g) { t.nn_f32(g); }
 
 // Experts whose rows take the tile kernels in this call (BF16 activations on a set with tiles, and at least
-// Runtime::tile_min_rows rows), and where each one's rows start in the tile layouts of kernels.h: rows of
-// such an expert are padded to whole tiles; the others have none there.
+// min_rows rows: Runtime::forward_tile_rows or backward_tile_rows), and where each one's rows start in the tile
+// layouts of kernels.h: rows of such an expert are padded to whole tiles; the others have none there.
 struct TilePlan {
   const TileKernels* tk = nullptr;
   std::vector<long> row0;  // [E + 1]
@@ -622,13 +622,12 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // with contiguous rows (experts with more than kLoraDotRows rows; down's only off tiles), and x in the tile
   // layout for experts on tiles.
   phase("forward.pack_x_lora_in");
-  // Gate's and up's z = x·Aᵀ run on tiles for experts on them with more than kLoraDotRows rows; with fewer (BF16
-  // decode takes tiles from one row) the float32 dot form computes them without rounding A's panels to BF16 each
-  // call. When no expert's z runs on tiles (decode, float32 activations, sets without tiles), each (expert,
-  // projection) is its own work item, so that a few routed experts' B transposes and rank-space products spread
-  // over the threads: at Layer Q INT4 decode (8 experts, 15 threads) the phase took 0.019-0.022 ms against
-  // 0.027-0.034 one item per expert (BENCHMARKS.md). Otherwise an expert's x tiles feed its gate and up, so the
-  // expert is one item.
+  // Gate's and up's z = x·Aᵀ run on tiles for experts on them with more than kLoraDotRows rows; with fewer the
+  // float32 dot form computes them without rounding A's panels to BF16 each call. When no expert's z runs on tiles
+  // (decode, float32 activations, sets without tiles), each (expert, projection) is its own work item, so that a few
+  // routed experts' B transposes and rank-space products spread over the threads: at Layer Q INT4 decode (8 experts,
+  // 15 threads) the phase took 0.019-0.022 ms against 0.027-0.034 one item per expert (BENCHMARKS.md). Otherwise an
+  // expert's x tiles feed its gate and up, so the expert is one item.
   const std::vector<int> routed = routed_experts(*sv, E_);
   auto z_on_tiles = [&](int e) { return tp.on(e) && rows_of(*sv, e) > kLoraDotRows; };
   auto z_of = [&](int p, int e, int ith) {

@@ -56,7 +56,8 @@ void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int
   // Drain the queue so no call in flight sees the pool change under it.
   queue_->submit([] {})->wait();
   kernels_ = ks;
-  tile_min_rows_ = tile_min_rows > 0 ? tile_min_rows : kTileMinRows;
+  // At most 2^24: forward_tile_rows multiplies it by up to 4 in an int.
+  tile_min_rows_ = tile_min_rows > 0 ? std::min(tile_min_rows, 1 << 24) : kTileMinRows;
   if (!pool_ || pool_->size() != (n_threads > 0 ? n_threads : available_cpus()) || pin_ != pin) {
     pool_.reset();
     try {

@@ -46,7 +46,8 @@ int max_threads();
 class Runtime {
  public:
   static Runtime& get();
-  // tile_min_rows: experts with fewer rows in a call skip the tile kernels (0: the default, kTileMinRows).
+  // tile_min_rows: the rows per expert in a call from which the tile kernels are used, as forward_tile_rows and
+  // backward_tile_rows derive them (0: the default, kTileMinRows).
   // n_threads: 0 (one per CPU this process may use) to max_threads(); invalid_argument outside that.
   void configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows = 0);
   ThreadPool& pool() { return *pool_; }
@@ -55,14 +56,14 @@ class Runtime {
   int threads() const { return pool_->size(); }
   int tile_min_rows() const { return tile_min_rows_; }
   // The rows from which an expert takes the tiles in a forward, training or inference. On AMX every format takes
-  // them from tile_min_rows: below it the amx set's own dot forms on vdpbf16ps ran BF16 inference 12-16% faster
-  // than the tiles at 0.5-2 rows per expert, and from it INT4's and FP8's tiles ran 5-11% faster than those dot
-  // forms at 2-4 (Layer Q from RAM, engine_bench, medians); the training forward's crossover lies at 2-4 rows per
-  // expert for all three. On emulated tiles (16-lane products) the dot forms win below twice it, INT4's below four
-  // times it: inference 14-19% faster at 6-12 rows per expert, 4% at 16 (Zen 4, Layer Q, third session of
-  // 2026-12-01); FP8's and INT4's training forward from those thresholds instead of tile_min_rows 37% faster at
-  // T = 64 and 12-20% at 128 (4 and 8 rows per expert on average), BF16's the same (BENCHMARKS.md, third session
-  // of 2026-12-06).
+  // them from tile_min_rows: below it the amx set's other kernels (BF16 weights: the float32 form; FP8/INT4: their
+  // dot forms on vdpbf16ps) ran BF16 inference 12-16% faster than the tiles at 0.5-2 rows per expert, and from it
+  // INT4's and FP8's tiles ran 5-11% faster than those dot forms at 2-4 (Layer Q from RAM, engine_bench, medians);
+  // the training forward's crossover lies at 2-4 rows per expert for all three. On emulated tiles (16-lane
+  // products) the other kernels win below twice it, INT4's below four times it: inference 14-19% faster at 6-12
+  // rows per expert, 4% at 16 (Zen 4, Layer Q, third session of 2026-12-01); FP8's and INT4's training forward from
+  // those thresholds instead of tile_min_rows 37% faster at T = 64 and 12-20% at 128 (4 and 8 rows per expert on
+  // average), BF16's the same (BENCHMARKS.md, third session of 2026-12-06).
   int forward_tile_rows(Format f) const {
     if (!emulated_tiles()) return tile_min_rows_;
     return (f == Format::int4_group32 ? 4 : 2) * tile_min_rows_;

@@ -237,8 +237,8 @@ def test_lora_on_trainable_expert_base_weights_is_refused():
 
 @pytest.mark.parametrize("kernels", ["amx", "avx512_bf16"])
 def test_backward_copy_trains_the_same(kernels, monkeypatch):
-    # A BF16 model through PEFT (the weights under base_layer), every expert on tiles: LoRA training with the
-    # backward copy takes bit-identical steps, and PEFT's merge (weights changed in place) repacks the copy.
+    # A BF16 model through PEFT (the weights under base_layer), every expert's backward on tiles: LoRA training with
+    # the backward copy takes bit-identical steps, and PEFT's merge (weights changed in place) repacks the copy.
     caps = kt_sft.capabilities()
     if kernels not in caps["runnable_kernels"]:
         pytest.skip(f"this CPU cannot run the {kernels} kernels ({caps['tiles']})")

@@ -127,11 +127,11 @@ TILE_KERNELS = ["amx", "avx512_bf16"]  # the tile unit, and its operations on vd
 
 
 @pytest.fixture(params=[(k, rows) for k in TILE_KERNELS for rows in (1, 8)],
-                ids=lambda p: f"{p[0]}-" + ("every_expert_on_tiles" if p[1] == 1 else "experts_with_8_rows_on_tiles"))
+                ids=lambda p: f"{p[0]}-tile_min_rows_{p[1]}")
 def tiles(request):
-    """A kernel set with tile products, experts of at least `rows` rows in a call on them (avx512_bf16's backward:
-    from rows / 4, so with 8 an expert of 2-7 rows runs its forward off the tiles and its backward on them); yields
-    its name."""
+    """A kernel set with tile products and tile_min_rows = `rows` (1 or 8): forwards take the tiles from it on amx,
+    from twice it on avx512_bf16 (INT4 weights four times), backwards from rows / 4 (at least 1), so that with 8
+    experts of 2-7 rows run their forward off the tiles and their backward on them; yields its name."""
     name, rows = request.param
     if name not in RUNNABLE:
         pytest.skip(f"this CPU cannot run the {name} kernels ({kt_sft.capabilities()['tiles']})")
@@ -177,8 +177,9 @@ def test_partly_filled_tiles(tiles, rows):
 
 @pytest.mark.parametrize("T", [1, 2])
 def test_bf16_decode_on_tiles(tiles, T):
-    # BF16 inference takes tiles from one row per expert; experts of at most two rows take gate's and up's LoRA
-    # inputs in the float32 dot form.
+    # BF16 inference takes the tiles from the fixture's 1 row per expert on amx and 2 on avx512_bf16 (T = 2 has
+    # such experts), from 8 and 16 not at all here; experts of at most two rows take gate's and up's LoRA inputs
+    # in the float32 dot form.
     shape = Shape(f"decode_t{T}", T=T, H=96, I=64, E=8, K=4)
     m = make_module(shape, lora=True).eval()
     x, idx, w, _ = inputs(shape, dtype=torch.bfloat16)
