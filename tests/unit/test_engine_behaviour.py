@@ -112,6 +112,25 @@ def test_capabilities_report_cpu_and_choice():
     assert set(caps["cpu"]) >= {"avx2_fma", "avx512", "avx512_bf16", "amx_bf16"}
 
 
+def test_huge_tile_min_rows_keeps_every_expert_off_the_tiles():
+    # The forward's threshold is up to 4 × tile_min_rows in an int: configure clamps it so that it cannot wrap.
+    shape = Shape("rows_for_tiles", T=48, H=64, I=48, E=2, K=1, r=4, routing="one")
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    try:
+        kt_sft.configure(tile_min_rows=1 << 30)
+        assert kt_sft.capabilities()["tile_min_rows"] == 1 << 24
+        kt_sft.configure(tile_min_rows=1 << 20)
+        off_tiles = run_engine(m, x, idx, w, g)
+        kt_sft.configure(tile_min_rows=1 << 30)
+        got = run_engine(m, x, idx, w, g)
+    finally:
+        kt_sft.configure(tile_min_rows=0)
+    assert got.keys() == off_tiles.keys()
+    for key, v in off_tiles.items():
+        assert (v is None and got[key] is None) or torch.equal(got[key], v), key
+
+
 def test_unknown_or_unrunnable_kernel_set_is_a_clear_error():
     with pytest.raises(RuntimeError, match="cannot run on this CPU"):
         kt_sft.set_kernels("amx_tiles_of_the_future")
