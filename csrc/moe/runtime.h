@@ -68,15 +68,15 @@ class Runtime {
     if (!emulated_tiles()) return tile_min_rows_;
     return (f == Format::int4_group32 ? 4 : 2) * tile_min_rows_;
   }
-  // The backward's: experts of every format take the tiles from a quarter of tile_min_rows, where a product of
-  // 1-3 rows runs without the panel (direct_nn). The forward's dot forms run few rows faster (tiles from 1 or 2
-  // rows made Layer Q's forward 20-60% slower at T = 32-64 on Zen 4). The backward's
-  // off-tile form (gemm_nn) widens every weight to float32, two FMAs where vdpbf16ps does one, and decodes FP8/INT4
-  // panels to float32 first. Layer Q, alternated processes: on Zen 4 (2 threads, emulated tiles) tiles from one
-  // row made the backward 15-25% faster at T = 16-32 (1-2 rows per expert on average), INT4's 20-35% and FP8's
-  // 8-35% at T = 16-64; on the GPU machine's Xeon (15 threads, AMX) BF16's 27-28%, FP8's 24% and INT4's 40-43%
-  // at T = 16-32, 9-21% at 64 (medians); nothing moved beyond the noise at T = 128-512 on Zen 4, 128-2048 on the
-  // Xeon (BENCHMARKS.md, eighth session of 2026-12-05 and third session of 2026-12-06).
+  // The backward's: experts of every format take the tiles from a quarter of tile_min_rows, where a product of 1-3
+  // rows runs without the panel (direct_nn); the forward's other kernels run few rows faster (tiles from 1 or 2
+  // rows made Layer Q's forward 20-60% slower at T = 32-64 on Zen 4), the backward's do not. Its off-tile form
+  // (gemm_nn) widens every weight to float32, two FMAs where vdpbf16ps does one, and decodes FP8/INT4 panels to
+  // float32 first. Layer Q, alternated processes: on Zen 4 (2 threads, emulated tiles) tiles from one row made the
+  // backward 15-25% faster at T = 16-32 (1-2 rows per expert on average), INT4's 20-35% and FP8's 8-35% at T =
+  // 16-64; on the GPU machine's Xeon (15 threads, AMX) BF16's 27-28%, FP8's 24% and INT4's 40-43% at T = 16-32,
+  // 9-21% at 64 (medians); nothing moved beyond the noise at T = 128-512 on Zen 4, 128-2048 on the Xeon
+  // (BENCHMARKS.md, eighth session of 2026-12-05 and third session of 2026-12-06).
   int backward_tile_rows() const { return std::max(1, tile_min_rows_ / 4); }
   AsyncQueue& queue() { return *queue_; }
   Scratch& scratch() { return scratch_; }

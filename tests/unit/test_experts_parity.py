@@ -131,7 +131,8 @@ TILE_KERNELS = ["amx", "avx512_bf16"]  # the tile unit, and its operations on vd
 def tiles(request):
     """A kernel set with tile products and tile_min_rows = `rows` (1 or 8): forwards take the tiles from it on amx,
     from twice it on avx512_bf16 (INT4 weights four times), backwards from rows / 4 (at least 1), so that with 8
-    experts of 2-7 rows run their forward off the tiles and their backward on them; yields its name."""
+    experts of 2-7 rows (on avx512_bf16 2-15, INT4's 2-31) run their forward off the tiles and their backward on
+    them; yields its name."""
     name, rows = request.param
     if name not in RUNNABLE:
         pytest.skip(f"this CPU cannot run the {name} kernels ({kt_sft.capabilities()['tiles']})")
