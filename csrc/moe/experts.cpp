@@ -1,9 +1,14 @@
 #include "experts.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 
 #include "backward_copy.h"
@@ -659,13 +664,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     });
   }
 
-  phase("forward.gate_up");
   const bool decode = std::all_of(routed.begin(), routed.end(), [&](int e) { return rows_of(*sv, e) <= 2; });
   const long gw = decode ? decode_width(long(routed.size()), I, rt.threads()) : BLOCK;
-  std::vector<Item> items;
-  for (int e = 0; e < E_; ++e)
-    if (rows_of(*sv, e))
-      for (int b = 0; b < ceil_div(I, gw); ++b) items.push_back({0, e, b});
+  const long gate_up_blocks = ceil_div(I, gw);
+  const long gate_up_items = long(routed.size()) * gate_up_blocks;
+  auto gate_up_of = [&](long it) { return std::pair<int, long>{routed[it / gate_up_blocks], (it % gate_up_blocks) * gw}; };
   const bool bf16_act = x.dtype == DType::bf16;
   // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
   // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
@@ -685,22 +688,18 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       }
     });
   };
-  // Gate's rows of a block, then up's; the next item's gate rows after them.
   auto gate_up_rows = [&](long it, int p) {
-    const long i0 = long(items[it].block) * gw;
-    return upcoming(items[it].e, p, i0, std::min<long>(gw, I - i0), 0, H);
+    const auto [e, i0] = gate_up_of(it);
+    return upcoming(e, p, i0, std::min<long>(gw, I - i0), 0, H);
   };
-  rt.parallel_for_ahead(long(items.size()), [&](long it, long next_it, int) {
-    const int e = items[it].e, n = rows_of(*sv, e);
-    const long i0 = long(items[it].block) * gw;
-    const int ib = int(std::min<long>(gw, I - i0));
+  // Gate's rows of a block, then up's, requesting `after` (the thread's next item's rows) during up's product.
+  auto gate_up_item = [&](long it, const Upcoming& after) {
+    const auto [e, i0] = gate_up_of(it);
+    const int n = rows_of(*sv, e), ib = int(std::min<long>(gw, I - i0));
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      const Upcoming next = p == GATE     ? gate_up_rows(it, UP)
-                            : next_it >= 0 ? gate_up_rows(next_it, GATE)
-                                           : Upcoming{};
-      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
+      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, p == GATE ? gate_up_rows(it, UP) : after);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
     for (int m = 0; m < n; ++m) {
@@ -708,27 +707,13 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       ks.silu_mul(ib, G + o, U + o, Hh + o);
     }
     if (tp.on(e)) tp.tk->pack_nt(n, int(I), i0, ib, slot_rows(Hh, *sv, e, I), tp.at(HT, e, I));
-  });
-
-  phase("forward.lora_in_down");
-  if (Z[DOWN])
-    for_routed_experts(rt, *sv, E_, [&](long e, int ith) {
-      if (tp.on(int(e)))
-        lora_in_on_tiles(DOWN, int(e), tp.at(HT, int(e), I), slot_rows(Hh, *sv, int(e), I), I, ith);
-      else
-        lora_in(ks, lora, DOWN, *sv, int(e), slot_rows(Hh, *sv, int(e), I), I, Z[DOWN] + sv->offset[e] * r,
-                per_thread + ith * tile, tile);
-    });
-
-  // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included:
-  // on tiles z·Bᵀ is the product's last reduction block, so c is stored once, streamed past the caches.
-  auto down = [&](int e, long h0, int cols, float* c, long ldc, const Upcoming& next) {
-    const bool lora_on_tiles = Z[DOWN] && tp.on(e);
-    const TileF32 lora_seg =
-        lora_on_tiles ? TileF32{rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), r, lora.scale} : TileF32{};
-    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, ldc, next, lora_seg, true);
-    if (Z[DOWN] && !lora_on_tiles)
-      lora_out(ks, lora, DOWN, e, H, rows_of(*sv, e), Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, ldc);
+  };
+  auto lora_in_down = [&](int e, int ith) {
+    if (tp.on(e))
+      lora_in_on_tiles(DOWN, e, tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), I, ith);
+    else
+      lora_in(ks, lora, DOWN, *sv, e, slot_rows(Hh, *sv, e, I), I, Z[DOWN] + sv->offset[e] * r, per_thread + ith * tile,
+              tile);
   };
 
   // Down per (expert, BLOCK columns) into per-slot rows [N, H], then the weighted sum per token (`combine`). The
@@ -741,20 +726,82 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   // INT4, T = 1; 0.50-0.52 against 0.63-0.65, T = 4; 4.4-5.4 against 6.1-6.7, T = 64-200; BENCHMARKS.md). The
   // slot rows are streamed past the caches on tiles (nothing reads them before combine): Layer Q's phase 8-11 ms
   // against 11-14 stored through them at T = 2048, 23-31 against 35-40 at T = 8192.
-  phase("forward.down_slots");
   float* Y = sc.get(Scratch::SLOT_ROWS, size_t(N) * H);
   const long dw = decode ? decode_width(long(routed.size()), H, rt.threads()) : BLOCK;
   const long blocks = ceil_div(H, dw);
+  const long down_items = long(routed.size()) * blocks;
   auto block_of = [&](long it) { return std::pair<int, long>{routed[it / blocks], (it % blocks) * dw}; };
-  rt.parallel_for_ahead(long(routed.size()) * blocks, [&](long it, long next_it, int) {
+  auto down_rows = [&](long it) {
     const auto [e, h0] = block_of(it);
-    Upcoming next;
-    if (next_it >= 0) {
-      const auto [next_e, next_h0] = block_of(next_it);
-      next = upcoming(next_e, DOWN, next_h0, std::min<long>(dw, H - next_h0), 0, I);
-    }
-    down(e, h0, int(std::min<long>(dw, H - h0)), Y + sv->offset[e] * H + h0, H, next);
-  });
+    return upcoming(e, DOWN, h0, std::min<long>(dw, H - h0), 0, I);
+  };
+  // Down's product for expert e's rows and `cols` output columns from h0 into c (row stride ldc), LoRA included:
+  // on tiles z·Bᵀ is the product's last reduction block, so c is stored once, streamed past the caches.
+  auto down_item = [&](long it, const Upcoming& next) {
+    const auto [e, h0] = block_of(it);
+    const int cols = int(std::min<long>(dw, H - h0));
+    float* c = Y + sv->offset[e] * H + h0;
+    const bool lora_on_tiles = Z[DOWN] && tp.on(e);
+    const TileF32 lora_seg =
+        lora_on_tiles ? TileF32{rk.rank_at(ZD, e), lora_b(lora, DOWN, e, H, h0), r, lora.scale} : TileF32{};
+    project(e, DOWN, h0, cols, int(I), tp.at(HT, e, I), slot_rows(Hh, *sv, e, I), c, H, next, lora_seg, true);
+    if (Z[DOWN] && !lora_on_tiles)
+      lora_out(ks, lora, DOWN, e, H, rows_of(*sv, e), Z[DOWN] + sv->offset[e] * r, bt[DOWN], h0, cols, c, H);
+  };
+
+  if (decode) {
+    // One phase instead of three: an expert's down items start once its own gate/up items and h·A_downᵀ are done
+    // (the thread that finishes its last gate/up item computes the latter), not once every expert's are, behind
+    // two barriers and the tail of the gate/up items. Items are handed out in order, so a down item is taken only
+    // after every gate/up item has been: a thread waits only on items under way, which never wait themselves.
+    phase("forward.gate_up_down");
+    const size_t n = routed.size();
+    std::unique_ptr<std::atomic<long>[]> left(new std::atomic<long>[n]);  // gate/up items of an expert not done
+    std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[n]);
+    for (size_t i = 0; i < n; ++i) left[i] = gate_up_blocks, ready[i] = false;
+    std::atomic<bool> failed{false};  // waiting threads give up once an item threw (the pool rethrows it)
+    rt.parallel_for_ahead(gate_up_items + down_items, [&](long it, long next_it, int ith) {
+      const Upcoming next = next_it < 0               ? Upcoming{}
+                            : next_it < gate_up_items ? gate_up_rows(next_it, GATE)
+                                                      : down_rows(next_it - gate_up_items);
+      try {
+        if (it < gate_up_items) {
+          const long i = it / gate_up_blocks;
+          gate_up_item(it, next);
+          if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            if (Z[DOWN]) lora_in_down(routed[i], ith);
+            ready[i].store(true, std::memory_order_release);
+          }
+          return;
+        }
+        const long d = it - gate_up_items, i = d / blocks;
+        // Spinning, then yielding: with more threads than free cores the item waited on may need this core.
+        for (int spins = 0; !ready[i].load(std::memory_order_acquire); ++spins) {
+          if (failed.load(std::memory_order_relaxed)) return;
+          if (spins < 4096)
+            _mm_pause();
+          else
+            std::this_thread::yield();
+        }
+        down_item(d, next);
+      } catch (...) {
+        failed = true;
+        throw;
+      }
+    });
+  } else {
+    phase("forward.gate_up");
+    rt.parallel_for_ahead(gate_up_items, [&](long it, long next_it, int) {
+      gate_up_item(it, next_it >= 0 ? gate_up_rows(next_it, GATE) : Upcoming{});
+    });
+    phase("forward.lora_in_down");
+    if (Z[DOWN])
+      for_routed_experts(rt, *sv, E_, [&](long e, int ith) { lora_in_down(int(e), ith); });
+    phase("forward.down_slots");
+    rt.parallel_for_ahead(down_items, [&](long it, long next_it, int) {
+      down_item(it, next_it >= 0 ? down_rows(next_it) : Upcoming{});
+    });
+  }
   phase("forward.combine");
   combine(out, Y, H, *sv, sv->slot_w.data(), rt, per_thread);
   return save ? sv : nullptr;

@@ -496,6 +496,23 @@ def test_engine_phase_profile_splits_each_call_while_on():
     assert timing.engine_phases() == {}
 
 
+def test_decode_calls_run_gate_up_and_down_as_one_phase():
+    # Every expert at most two rows: down's items wait on their own expert's gate/up items only, in one phase.
+    shape = Shape("phases_decode", T=2, H=96, I=80, E=8, K=3, r=5)
+    m = make_module(shape, lora=True)
+    x, idx, w, _ = inputs(shape)
+    timing.profile_engine_phases(True)
+    try:
+        timing.engine_phases(reset=True)
+        with torch.no_grad():
+            m(x, idx, w)
+        phases = timing.engine_phases(reset=True)
+    finally:
+        timing.profile_engine_phases(False)
+    assert list(phases) == ["forward.route_inputs", "forward.pack_x_lora_in", "forward.gate_up_down",
+                            "forward.combine"], phases
+
+
 def test_nested_engine_timers_are_exclusive(monkeypatch):
     clock = iter([10.0, 12.0, 17.0])  # transfer opens, gpu opens, gpu closes, transfer closes
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock, 20.0))
