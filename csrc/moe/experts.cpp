@@ -668,7 +668,9 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   const long gw = decode ? decode_width(long(routed.size()), I, rt.threads()) : BLOCK;
   const long gate_up_blocks = ceil_div(I, gw);
   const long gate_up_items = long(routed.size()) * gate_up_blocks;
-  auto gate_up_of = [&](long it) { return std::pair<int, long>{routed[it / gate_up_blocks], (it % gate_up_blocks) * gw}; };
+  auto gate_up_of = [&](long it) {
+    return std::pair<int, long>{routed[it / gate_up_blocks], (it % gate_up_blocks) * gw};
+  };
   const bool bf16_act = x.dtype == DType::bf16;
   // c[m, j] = act_m · W_p[row0 + j] for expert e's rows and `cols` weight rows of projection p (K columns): the
   // tile product on the call's BF16 copy `tiles` of the activations when e is on tiles, else the set's kernel
@@ -699,7 +701,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     float* dst[2] = {G, U};
     for (int p = GATE; p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, p == GATE ? gate_up_rows(it, UP) : after);
+      const Upcoming next = p == GATE ? gate_up_rows(it, UP) : after;
+      project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
     }
     for (int m = 0; m < n; ++m) {
@@ -753,7 +756,8 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     // One phase instead of three: an expert's down items start once its own gate/up items and h·A_downᵀ are done
     // (the thread that finishes its last gate/up item computes the latter), not once every expert's are, behind
     // two barriers and the tail of the gate/up items. Items are handed out in order, so a down item is taken only
-    // after every gate/up item has been: a thread waits only on items under way, which never wait themselves.
+    // after every gate/up item has been: a thread waits only on items under way, which never wait themselves. On
+    // the GPU test machine (Layer Q decode, 15 threads) BF16, INT4 and FP8 calls took 11-13% less (BENCHMARKS.md).
     phase("forward.gate_up_down");
     const size_t n = routed.size();
     std::unique_ptr<std::atomic<long>[]> left(new std::atomic<long>[n]);  // gate/up items of an expert not done
