@@ -473,19 +473,24 @@ def test_step_profile_counts_engine_phases_and_transfers():
     assert not any(engine_seconds().values())
 
 
-def test_engine_phase_profile_splits_each_call_while_on():
-    shape = Shape("phases", T=16, H=32, I=16, E=4, K=2, r=3)
-    m = make_module(shape, lora=True)
-    x, idx, w, g = inputs(shape)
+def phases_of(call):
+    """The engine's phase profile of call() (profiling on for it only), and the call's wall time."""
     timing.profile_engine_phases(True)
     try:
         timing.engine_phases(reset=True)
         t0 = time.perf_counter()
-        m(x.requires_grad_(), idx, w).backward(g)
+        call()
         wall = time.perf_counter() - t0
-        phases = timing.engine_phases(reset=True)
+        return timing.engine_phases(reset=True), wall
     finally:
         timing.profile_engine_phases(False)
+
+
+def test_engine_phase_profile_splits_each_call_while_on():
+    shape = Shape("phases", T=16, H=32, I=16, E=4, K=2, r=3)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape)
+    phases, wall = phases_of(lambda: m(x.requires_grad_(), idx, w).backward(g))
     assert list(phases) == ["forward.route_inputs", "forward.pack_x_lora_in", "forward.gate_up",
                             "forward.lora_in_down", "forward.down_slots", "forward.combine", "backward.inputs",
                             "backward.pack_dout_lora", "backward.dout_down", "backward.dw_sum", "backward.lora_dg_du",
@@ -501,14 +506,8 @@ def test_decode_calls_run_gate_up_and_down_as_one_phase():
     shape = Shape("phases_decode", T=2, H=96, I=80, E=8, K=3, r=5)
     m = make_module(shape, lora=True)
     x, idx, w, _ = inputs(shape)
-    timing.profile_engine_phases(True)
-    try:
-        timing.engine_phases(reset=True)
-        with torch.no_grad():
-            m(x, idx, w)
-        phases = timing.engine_phases(reset=True)
-    finally:
-        timing.profile_engine_phases(False)
+    with torch.no_grad():
+        phases, _ = phases_of(lambda: m(x, idx, w))
     assert list(phases) == ["forward.route_inputs", "forward.pack_x_lora_in", "forward.gate_up_down",
                             "forward.combine"], phases
 
