@@ -781,10 +781,10 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
         }
         const long d = it - gate_up_items, i = d / blocks;
         // Spinning, then yielding: with more threads than free cores the item waited on may need this core.
-        for (int spins = 0; !ready[i].load(std::memory_order_acquire); ++spins) {
+        for (int spins = 0; !ready[i].load(std::memory_order_acquire);) {
           if (failed.load(std::memory_order_relaxed)) return;
           if (spins < 4096)
-            _mm_pause();
+            ++spins, _mm_pause();
           else
             std::this_thread::yield();
         }
