@@ -24,6 +24,9 @@ SHAPES = [
     Shape("large_t", T=512, H=64, I=80, E=8, K=2, r=4),
     Shape("rank_1", T=9, H=32, I=16, E=3, K=2, r=1),
     Shape("rank_above_tile", T=21, H=48, I=40, E=4, K=2, r=37),
+    # one row per expert against LoRA rows of up to 64 floats, partial vectors and exactly four
+    Shape("decode_rank_37", T=2, H=45, I=29, E=8, K=3, r=37),
+    Shape("decode_rank_64", T=2, H=80, I=48, E=8, K=3, r=64),
     # the largest rank, far above H and I: LoRA-B grad blocks outgrow the weight-grad tiles
     Shape("rank_256", T=12, H=64, I=32, E=3, K=2, r=256),
     Shape("no_tokens", T=0, H=32, I=16, E=4, K=2),
