@@ -1,7 +1,5 @@
 #include "experts.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -780,14 +778,14 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
           return;
         }
         const long d = it - gate_up_items, i = d / blocks;
-        // Spinning, then yielding: with more threads than free cores the item waited on may need this core.
-        for (int spins = 0; !ready[i].load(std::memory_order_acquire);) {
-          if (failed.load(std::memory_order_relaxed)) return;
-          if (spins < 4096)
-            ++spins, _mm_pause();
-          else
-            std::this_thread::yield();
-        }
+        auto settled = [&] {
+          return ready[i].load(std::memory_order_acquire) || failed.load(std::memory_order_relaxed);
+        };
+        // Spinning as the pool's threads do, then yielding: with more threads than free cores the item waited on
+        // may need this core.
+        if (!spin_until(settled))
+          while (!settled()) std::this_thread::yield();
+        if (!ready[i].load(std::memory_order_acquire)) return;  // an item threw
         down_item(d, next);
       } catch (...) {
         failed = true;

@@ -1,7 +1,5 @@
 #include "threadpool.h"
 
-#include <chrono>
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
@@ -10,25 +8,6 @@
 #include <system_error>
 
 namespace kt {
-
-// Threads spin this long for the next job or the last worker before sleeping on a condition variable:
-// waking a sleeping thread costs 10-50 us, which a decode step's six short phases would pay six times
-// over. The budget is time, read every 64 pauses: one pause lasts ~10 to ~140 cycles across x86 cores
-// (2000 of them were 48 us on the dev machine's EPYC, ~100+ us on the GPU machine's Xeon).
-constexpr auto kSpin = std::chrono::microseconds(100);
-
-// Spins until done() or kSpin has passed; returns done().
-template <class Done>
-static bool spin_until(Done done) {
-  const auto end = std::chrono::steady_clock::now() + kSpin;
-  for (;;) {
-    for (int i = 0; i < 64; ++i) {
-      if (done()) return true;
-      _mm_pause();
-    }
-    if (std::chrono::steady_clock::now() >= end) return done();
-  }
-}
 
 static std::vector<int> allowed_cpus() {
   std::vector<int> cpus;
