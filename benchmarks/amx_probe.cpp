@@ -2,10 +2,14 @@
 // reduction step = 2 A tiles + 2 B tiles loaded, 4 tdpbf16ps): ns per tdpbf16ps (16·16·32 multiply-adds)
 // with no loads, with loads from L1, and over the work items of the forward (64 weight rows × 128 token rows,
 // K = 2048 or 768), weights read in place from rows (strided, as the engine does) or from packed 1 KB tiles,
-// hot in L2 or streamed from memory. Every thread runs its own copy.
+// hot in L2 or streamed from memory. Every thread runs its own copy. `percpu` runs the first two loops on each
+// CPU in turn, alone, three times over: on shared cloud hosts the loop with loads has run 3-5x slower on some CPUs
+// than on others, which ones changing from second to second, while tdpbf16ps alone ran alike on all (BENCHMARKS.md).
 //   g++ -O2 -mamx-tile -mamx-bf16 -mavx512f -pthread benchmarks/amx_probe.cpp -o /tmp/amx_probe
 //   /tmp/amx_probe 1 && /tmp/amx_probe 16          # argument: threads
+//   /tmp/amx_probe percpu
 #include <immintrin.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <atomic>
@@ -21,13 +25,20 @@ struct alignas(64) Cfg { uint8_t p = 1, s = 0, r[14] = {}; uint16_t c[16] = {}; 
 static void cfg() { Cfg c; for (int t = 0; t < 8; ++t) c.c[t] = 64, c.rows[t] = 16; _tile_loadconfig(&c); }
 static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
+// 64-byte aligned bf16 ones: a tile row that straddles two cache lines loads about 2x slower.
+struct Buf {
+  std::vector<bf16> v;
+  bf16* p;
+  explicit Buf(size_t n) : v(n + 32, 0x3f80), p(v.data() + (32 - (uintptr_t(v.data()) % 64) / 2) % 32) {}
+  bf16* data() { return p; }
+};
+
 // mode 0: dp only. 1: L1 loads. 2: item strided A (in place weights) 3: item packed A
 // weights: per item 64 rows x K; activations 128 x K packed nt
 static double run(int mode, int K, long witems, int reps, bool put) {
   cfg();
   const int KC = K / 32, IB = 4, JB = 8;
-  std::vector<bf16> X(size_t(JB) * 16 * K, 0x3f80);
-  std::vector<bf16> W(size_t(witems) * 64 * K, 0x3f80);
+  Buf X(size_t(JB) * 16 * K), W(size_t(witems) * 64 * K);
   alignas(64) float t[256];
   float sink = 0;
   double t0 = now();
@@ -78,6 +89,21 @@ static double run(int mode, int K, long witems, int reps, bool put) {
 
 int main(int argc, char** argv) {
   syscall(SYS_arch_prctl, 0x1023, 18);
+  if (argc > 1 && !strcmp(argv[1], "percpu")) {
+    const int ncpu = int(std::thread::hardware_concurrency());
+    for (int pass = 0; pass < 3; ++pass)
+      for (int cpu = 0; cpu < ncpu; ++cpu)
+        std::thread([&] {
+          cpu_set_t set;
+          CPU_ZERO(&set);
+          CPU_SET(cpu, &set);
+          sched_setaffinity(0, sizeof set, &set);
+          run(1, 2048, 1, 1, false);
+          const double dp = run(0, 2048, 1, 3, false), l1 = run(1, 2048, 1, 3, false);
+          printf("pass %d cpu %2d: dp-only %.2f ns/dp, L1 2x2 %.2f ns/dp (%.1fx)\n", pass, cpu, dp, l1, l1 / dp);
+        }).join();
+    return 0;
+  }
   int threads = atoi(argv[1]);
   const char* names[] = {"dp-only", "L1 2x2", "items strided A (L2 hot)", "items packed A (L2 hot)",
                          "items strided A (DRAM)", "items packed A (DRAM)"};
