@@ -41,8 +41,9 @@ struct AmxTiles {
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    // A step's four loads before its four products: on the GPU test machine's Xeon, alternated on each CPU, the
-    // loop ran 3-4% faster so than with each load just before its first product (BENCHMARKS.md).
+    // A step's four loads before its four products: on the GPU test machine's Xeon, alternated with each load just
+    // before its first product on each CPU, the loop ran 2-5% faster on quiet cores, 0-4% on contended ones
+    // (BENCHMARKS.md).
     for (int kc = 0; kc < KC; ++kc) {
       before(kc);
       _tile_loadd(4, a_tile(0, kc), a_stride(kc));
