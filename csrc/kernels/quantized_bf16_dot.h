@@ -37,6 +37,7 @@ struct Int4Steps {
   // The next block's codes requested into L1: into L2 the dot form ran 10-20% slower from RAM (Zen 4, one and two
   // threads; BENCHMARKS.md).
   static constexpr int kRequestLocality = 3;
+  static constexpr long kAheadBytes = 0;  // the next block only: further ahead ran Layer Q's gate/up slower
   static constexpr int kStep = Step;
   static constexpr float kBias = 136.f;
   __m512i low4 = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
@@ -97,6 +98,10 @@ struct Fp8Steps {
   // The next block's codes requested into L2: FP8 rows read twice INT4's bytes per weight, and requested into L1
   // the dot form read them from RAM at ~13 GB/s per thread against 19-22 into L2 (Zen 4; BENCHMARKS.md).
   static constexpr int kRequestLocality = 2;
+  // Blocks at least 8 KB on are requested: down's rows (768 codes at Layer Q) made a block's reduction shorter than
+  // a read from RAM takes, and one thread read them at 13.5-14.2 G weights/s against 17.2-20.1 this way (Zen 4,
+  // quantized_dot_probe 2048 768; 2048-code rows, whose next block is 8 KB already, the same; BENCHMARKS.md).
+  static constexpr long kAheadBytes = 8192;
   static constexpr int kStep = 64;
   static constexpr float kBias = 0.f;
   __m512i hi[2], lo[2];
@@ -188,12 +193,20 @@ void bf16_dot(const Codec& codec, const GemmNT<typename Codec::Weights>& g) {
   for (int i = 0; i < g.M; ++i)
     bf16_dot_activations<Codec>(g.a.at(i), g.K, xs.data() + long(i) * steps * Codec::kStep,
                                 biased ? bias.data() + long(i) * steps * 16 : nullptr);
+  // The block requested while one computes is `ahead` blocks on (Codec::kAheadBytes), the blocks before the first
+  // of those at the start.
+  const long block_bytes = NR * Cursor::code_bytes(g.K);
+  const int ahead = int(std::min<long>(4, std::max<long>(1, (Codec::kAheadBytes + block_bytes - 1) / block_bytes)));
+  for (int n = NR; n < std::min(ahead * NR, g.N); ++n) {
+    const char* row = cursor<Simd>(g.b, n).codes();
+    for (long l = 0; l < Cursor::code_bytes(g.K); l += 64) __builtin_prefetch(row + l, 0, Codec::kRequestLocality);
+  }
   for (int n0 = 0; n0 < g.N; n0 += NR) {
     const int nr = std::min(NR, g.N - n0);
     Cursor cur[NR], next[NR];
-    const int nn = std::min(NR, g.N - n0 - NR);
+    const int nn = std::min(NR, g.N - n0 - ahead * NR);
     for (int j = 0; j < NR; ++j) cur[j] = cursor<Simd>(g.b, n0 + std::min(j, nr - 1));
-    for (int j = 0; j < nn; ++j) next[j] = cursor<Simd>(g.b, n0 + NR + j);
+    for (int j = 0; j < nn; ++j) next[j] = cursor<Simd>(g.b, n0 + ahead * NR + j);
     NextBlockRequests<Cursor, Codec::kRequestLocality> requests(next, nn, g.K, steps);
     // Activation rows m0 .. m0 + mr of this weight block, MB at a time (MB a compile-time constant).
     auto block = [&](int m0, int mr, auto mb_c) {
