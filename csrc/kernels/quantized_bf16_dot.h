@@ -37,7 +37,9 @@ struct Int4Steps {
   // The next block's codes requested into L1: into L2 the dot form ran 10-20% slower from RAM (Zen 4, one and two
   // threads; BENCHMARKS.md).
   static constexpr int kRequestLocality = 3;
-  static constexpr long kAheadBytes = 0;  // the next block only: further ahead ran Layer Q's gate/up slower
+  // The next block only: 8 KB on, one thread read 2048-code rows 5-8% slower from RAM and 768-code rows no faster
+  // (Zen 4, quantized_dot_probe; BENCHMARKS.md).
+  static constexpr long kAheadBytes = 0;
   static constexpr int kStep = Step;
   static constexpr float kBias = 136.f;
   __m512i low4 = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
@@ -99,7 +101,7 @@ struct Fp8Steps {
   // the dot form read them from RAM at ~13 GB/s per thread against 19-22 into L2 (Zen 4; BENCHMARKS.md).
   static constexpr int kRequestLocality = 2;
   // Blocks at least 8 KB on are requested: down's rows (768 codes at Layer Q) made a block's reduction shorter than
-  // a read from RAM takes, and one thread read them at 13.5-14.2 G weights/s against 17.2-20.1 this way (Zen 4,
+  // a read from RAM takes, and one thread read them at 13.5-14.2 G weights/s against 17.2-20.2 this way (Zen 4,
   // quantized_dot_probe 2048 768; 2048-code rows, whose next block is 8 KB already, the same; BENCHMARKS.md).
   static constexpr long kAheadBytes = 8192;
   static constexpr int kStep = 64;
