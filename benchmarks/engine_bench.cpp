@@ -7,8 +7,10 @@
 // spell of a shared machine moves far less than it moves rounds run one after another. Phases: one format only.
 //   cmake -S . -B build/bench -G Ninja -DCMAKE_BUILD_TYPE=Release -DKT_SFT_ENGINE_BENCH=ON
 //         -Dpybind11_DIR=$(python3 -m pybind11 --cmakedir) && ninja -C build/bench engine_bench   (one command)
-//   build/bench/engine_bench [threads] [bf16|fp8|int4[,...]] [T] [S|Q|DS] [tile_min_rows]
-//   (defaults: all CPUs, int4, 1, Q, 0 = the engine's default; 1 << 20 keeps every expert off the tiles)
+//   build/bench/engine_bench [threads] [bf16|fp8|int4[,...]] [T] [S|Q|DS] [tile_min_rows] [expert sets]
+//   (defaults: all CPUs, int4, 1, Q, 0 = the engine's default; 1 << 20 keeps every expert off the tiles; 40: the
+//   40 calls of a round cycle through that many random expert sets, so 1 keeps one set's weights in cache and
+//   tells a call's time from its reads from RAM)
 // KT_SFT_KERNELS picks the kernel set as for the Python package.
 #include <algorithm>
 #include <chrono>
@@ -125,13 +127,17 @@ int main(int argc, char** argv) {
   for (auto& v : x) v = f32_to_bf16(float(int(rng() % 200) - 100) * 0.01f);
   std::vector<float> route_w(T * s.K, 1.f / float(s.K));
   std::vector<std::vector<int64_t>> routes(40);
+  const size_t sets = std::clamp(argc > 6 ? atoi(argv[6]) : 40, 1, 40);
   std::vector<int64_t> perm(s.E);
-  for (auto& route : routes)
-    for (long t = 0; t < T; ++t) {
-      for (long e = 0; e < s.E; ++e) perm[e] = e;
-      std::shuffle(perm.begin(), perm.end(), rng);
-      route.insert(route.end(), perm.begin(), perm.begin() + s.K);
-    }
+  for (size_t i = 0; i < routes.size(); ++i)
+    if (i >= sets)
+      routes[i] = routes[i % sets];
+    else
+      for (long t = 0; t < T; ++t) {
+        for (long e = 0; e < s.E; ++e) perm[e] = e;
+        std::shuffle(perm.begin(), perm.end(), rng);
+        routes[i].insert(routes[i].end(), perm.begin(), perm.begin() + s.K);
+      }
 
   Runtime& rt = Runtime::get();
   const size_t F = formats.size();
