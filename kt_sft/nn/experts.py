@@ -72,9 +72,9 @@ class ExpertWeight(nn.Parameter):
     def data(self):
         # `.data` shares the parameter's version counter, so that writes through it (`p.data.copy_`, optimizers
         # and weight averaging that work on `.data`) are seen like the optimizer's own: by a master's sync to
-        # the engine's weights at the next forward, and by what was derived from the weights (a kept forward, the
-        # backward copy). The engine's autograd function saves no weights for backward, so no version check of
-        # autograd's trips over it.
+        # the engine's weights at the next forward, by what was derived from the weights (a kept forward, the
+        # backward copy), and by a training call's backward, which refuses weights changed since its forward
+        # (ops/experts_function.py) as autograd refuses changed saved tensors.
         return self.detach()
 
     @data.setter

@@ -88,6 +88,12 @@ def grad_destination(param: torch.Tensor) -> str:
         return TO_CALLER
 
 
+def _versions(gate_up, down, lora_params) -> tuple:
+    """The version counters of what a training call's backward reads again (the weights, the LoRA matrices):
+    autograd's own check does not see them, as the engine keeps no saved tensors of them."""
+    return tuple(t._version for t in (gate_up, down, *lora_params) if t is not None)
+
+
 def lora_views(mats):
     return [view(m, "LoRA weight") for m in mats]
 
@@ -185,6 +191,8 @@ class StartEngine(torch.autograd.Function):
                                                    device=x.device, dropout=dropout, now=not call.concurrent)
         call.xc = xc
         call.needs = ctx.needs_input_grad
+        call.weights = gate_up, down
+        call.versions = _versions(gate_up, down, lora_params)
         call.x_meta = (x.device, x.dtype)
         call.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
         ctx.call = call
@@ -234,6 +242,16 @@ class EngineResult(torch.autograd.Function):
         if call.saved is None:
             raise RuntimeError("KTExperts backward ran twice over one forward; run the forward again instead of "
                                "retain_graph=True.")
+        if torch.is_grad_enabled():  # create_graph=True: the engine's grads would carry no graph
+            raise RuntimeError("KTExperts has no second derivative: its backward runs on the CPU engine outside "
+                               "autograd, so a backward with create_graph=True (double backward, Hessian-vector "
+                               "products) would silently miss the routed experts' terms; run it with "
+                               "create_graph=False.")
+        if _versions(*call.weights, call.lora_params) != call.versions:
+            raise RuntimeError("KTExperts: an expert weight or LoRA matrix was changed in place between this forward "
+                               "and its backward (an optimizer step or a LoRA merge before backward), so the backward "
+                               "would mix the forward's activations with other weights; call backward before "
+                               "changing them, or run the forward again after.")
         dev, _ = call.x_meta
         wdev, _, wshape = call.w_meta
         dx = host_empty(xc.shape, xc.dtype, dev)
@@ -241,9 +259,14 @@ class EngineResult(torch.autograd.Function):
         need = call.needs
         # Straight into param.grad where backward() puts it and may (direct: overwriting a reused buffer, or adding
         # into the grad of an earlier micro-batch), else written into new tensors for autograd.
+        # A parameter given for two projections (tied) gets its two grads returned, for autograd to sum: the
+        # buffer lora_grad_into keeps per parameter would take only the second.
         lora_grads, direct, accumulate = [], [], []
+        ids = [id(p) for p in call.lora_params if p is not None]
         for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
             where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
+            if where == INTO_GRAD and ids.count(id(p)) > 1:
+                where = TO_CALLER
             target, adds = module.lora_grad_into(p) if where == INTO_GRAD else (None, False)
             direct.append(target is not None)
             accumulate.append(adds)

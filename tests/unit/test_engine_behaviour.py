@@ -292,6 +292,43 @@ def test_second_backward_is_refused(module):
         y.backward(g)
 
 
+@pytest.mark.parametrize("change", ["lora", "base", "merge"])
+def test_weights_changed_between_forward_and_backward_are_refused(module, change):
+    # The backward reads the weights again with the forward's activations: changed in between (an optimizer step
+    # or a merge before backward), it would mix the two, so it refuses as autograd does for saved tensors.
+    x, idx, w, g = inputs(SHAPE)
+    y = module(x.requires_grad_(), idx, w)
+    with torch.no_grad():
+        if change == "lora":
+            module.lora_B["default"]["down"].mul_(2)
+        elif change == "base":
+            module.down_proj.data.mul_(2)
+        else:
+            module.merge_lora("default")
+    with pytest.raises(RuntimeError, match="changed in place between this forward and its backward"):
+        y.backward(g)
+
+
+def test_double_backward_is_refused(module):
+    x, idx, w, g = inputs(SHAPE)
+    x.requires_grad_()
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(module(x, idx, w), x, g, create_graph=True)
+
+
+def test_a_lora_matrix_tied_across_projections_gets_the_sum_of_both_grads(module):
+    x, idx, w, g = inputs(SHAPE)
+    A = module.lora_A["default"]
+    with torch.no_grad():
+        A["up"].copy_(A["gate"])
+    untied = run_engine(module, x, idx, w, g)
+    A["up"] = A["gate"]
+    for p in module.parameters():
+        p.grad = None
+    module(x, idx, w).backward(g)
+    assert torch.equal(A["gate"].grad, untied["dA_gate"] + untied["dA_up"])
+
+
 def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(module):
     x, idx, w, _ = inputs(SHAPE)
     with torch.no_grad():
