@@ -19,6 +19,7 @@ Environment variables (the only ones kt_sft reads, all here):
 """
 from __future__ import annotations
 
+import numbers
 import os
 import warnings
 
@@ -50,12 +51,18 @@ def view(t: torch.Tensor | None, name: str = "tensor"):
     return (t.data_ptr(), _DTYPES[t.dtype], t.shape, t)
 
 
-def _thread_count(n, name: str = "threads") -> int:
-    """n, checked against the engine's range here too: a count past a C int would not reach its check."""
-    if not 0 <= int(n) <= _C.max_threads():
-        raise ValueError(f"{name}={n} is out of range: the engine takes 0 (one per CPU this process may use) to "
-                         f"{_C.max_threads()} threads; one per physical core is fastest.")
+def _whole(n, name: str, low: int, high: int, what: str) -> int:
+    """n as an int if it is a whole number in [low, high] (a count past a C int would not reach the engine's own
+    check; 1.7 would become 1 there), else a ValueError saying what `name` takes."""
+    whole = isinstance(n, numbers.Integral) and not isinstance(n, bool) or isinstance(n, str) and n.strip().isdigit()
+    if not whole or not low <= int(n) <= high:
+        raise ValueError(f"{name}={n!r} is out of range: {what}.")
     return int(n)
+
+
+def _thread_count(n, name: str = "threads") -> int:
+    return _whole(n, name, 0, _C.max_threads(), f"the engine takes 0 (one per CPU this process may use) to "
+                  f"{_C.max_threads()} threads, a whole number; one per physical core is fastest")
 
 
 def configure(threads: int | None = None, kernels: str | None = None, pin: bool | None = None,
@@ -67,7 +74,9 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
         cur["threads"] if threads is None else _thread_count(threads),
         cur["pinned"] if pin is None else bool(pin),
         (cur["kernels"] or "") if kernels is None else kernels,
-        cur["tile_min_rows"] if tile_min_rows is None else int(tile_min_rows),
+        cur["tile_min_rows"] if tile_min_rows is None else _whole(
+            tile_min_rows, "tile_min_rows", 0, 2**31 - 1, "it takes a whole number of rows from 1 to 2**31 - 1 (a "
+            "large one keeps every expert off the tiles), or 0 for the measured default"),
     )
 
 

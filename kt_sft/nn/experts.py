@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import warnings
 import weakref
 from typing import Sequence
@@ -161,6 +162,9 @@ class KTExperts(LoadsInPlace, nn.Module):
     def _init_bf16(self, gate_up_proj, down_proj, train_base):
         if down_proj is None or gate_up_proj.dim() != 3 or down_proj.dim() != 3:
             raise ValueError("KTExperts takes gate_up_proj [E, 2I, H] and down_proj [E, H, I] (3-D tensors).")
+        if gate_up_proj.is_meta or down_proj.is_meta:
+            raise ValueError("KTExperts got expert weights on the meta device (shapes only, no values); load the "
+                             "weights first (kt_sft.loader or from_pretrained) and build KTExperts from them.")
         E, two_i, H = gate_up_proj.shape
         if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
             raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
@@ -297,9 +301,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         init=True: A Kaiming-uniform, B zeros (PEFT's default: training starts from the base model);
         init="gaussian": A normal(0, 1/r); init=False: B random too (for tests, as PEFT's init_lora_weights=False).
         """
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        if not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 1:
             raise ValueError(f"LoRA rank must be a positive integer, got {r!r}.")
-        if not math.isfinite(alpha):
+        r = int(r)
+        if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
             raise ValueError(f"LoRA alpha must be a finite number, got {alpha!r}.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}.")

@@ -51,6 +51,24 @@ def test_deep_copy_is_refused_with_what_to_do_instead(module):
         copy.deepcopy(module)
 
 
+@pytest.mark.parametrize("settings, match", [
+    ({"threads": 1.7}, "threads, a whole number"),
+    ({"tile_min_rows": -5}, "whole number of rows"),
+    ({"tile_min_rows": 2**40}, "whole number of rows"),
+])
+def test_settings_that_are_not_whole_numbers_in_range_are_refused(settings, match):
+    before = kt_sft.capabilities()
+    with pytest.raises(ValueError, match=match):
+        kt_sft.configure(**settings)
+    after = kt_sft.capabilities()
+    assert (after["threads"], after["tile_min_rows"]) == (before["threads"], before["tile_min_rows"])
+
+
+def test_meta_weights_are_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="meta device"):
+        kt_sft.KTExperts(torch.zeros(2, 8, 4, device="meta"), torch.zeros(2, 4, 4, device="meta"))
+
+
 def test_lora_alpha_must_be_finite():
     m = make_module(SHAPE, lora=False)
     for alpha in (float("nan"), float("inf")):
