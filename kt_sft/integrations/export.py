@@ -131,12 +131,16 @@ def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
     text = model.get("text_config") or model
     experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
     H = text.get("hidden_size")
+    # The experts' own width: Mixtral names it intermediate_size, the others (whose intermediate_size is their
+    # dense layers') moe_intermediate_size.
+    I = text.get("moe_intermediate_size", text.get("intermediate_size"))
     proj, ab = m["proj"], m["ab"]
     width = t.shape[2] if ab == "A" else t.shape[1]
-    hidden = width if (proj == "down") == (ab == "B") else None  # A of gate/up reads H; B of down writes it
-    if (experts is not None and t.shape[0] != experts) or (hidden is not None and H is not None and hidden != H):
+    # A of gate/up and B of down meet H; B of gate/up and A of down meet I.
+    size, name = (H, "hidden") if (proj == "down") == (ab == "B") else (I, "intermediate")
+    if (experts is not None and t.shape[0] != experts) or (size is not None and width != size):
         raise ValueError(f"the adapter's {m.string} is shaped {list(t.shape)} (experts first), but the model has {experts} "
-                         f"experts of hidden size {H}; export it with the model it was trained on (--model).")
+                         f"experts of {name} size {size}; export it with the model it was trained on (--model).")
 
 
 def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str | Path | None = None) -> Path:

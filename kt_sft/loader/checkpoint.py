@@ -78,21 +78,41 @@ class Checkpoint:
     def keys(self):
         return self.shard_of.keys()
 
+    def _shard(self, key: str) -> str:
+        """The shard file that holds `key`, or a ValueError that says the checkpoint lacks it."""
+        try:
+            return self.shard_of[key]
+        except KeyError:
+            raise ValueError(f"the checkpoint {self.dir} has no tensor {self.prefix + key}; it is incomplete or not the "
+                             "one its config.json describes: download it again.") from None
+
+    def _not_in_shard(self, key: str) -> ValueError:
+        return ValueError(f"{self.dir}'s index puts {self.prefix + key} in {self.shard_of[key]}, which does not hold "
+                          "it; the index is stale or the shard incomplete: download the checkpoint again.")
+
     def _open(self, key: str):
-        shard = self.shard_of[key]
+        shard = self._shard(key)
         if shard not in self._handles:
             self._handles[shard] = open_safetensors(self.dir / shard)
         return self._handles[shard]
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._open(key).get_slice(self.prefix + key).get_shape())
+        handle = self._open(key)  # safe_open first: a damaged shard is named as such
+        try:
+            return tuple(handle.get_slice(self.prefix + key).get_shape())
+        except SafetensorError:
+            raise self._not_in_shard(key) from None
 
     def get(self, key: str) -> torch.Tensor:
-        return self._open(key).get_tensor(self.prefix + key)
+        handle = self._open(key)
+        try:
+            return handle.get_tensor(self.prefix + key)
+        except SafetensorError:
+            raise self._not_in_shard(key) from None
 
     def _entry(self, key: str):
         """(shard path, absolute byte offset, dtype string, shape) of a tensor, from its shard's header."""
-        shard = self.dir / self.shard_of[key]
+        shard = self.dir / self._shard(key)
         if not hasattr(self, "_headers"):
             self._headers = {}
         if shard not in self._headers:
@@ -100,7 +120,9 @@ class Checkpoint:
                 (n,) = struct.unpack("<Q", f.read(8))
                 self._headers[shard] = (8 + n, json.loads(f.read(n)))
         base, header = self._headers[shard]
-        meta = header[self.prefix + key]
+        meta = header.get(self.prefix + key)
+        if meta is None:
+            raise self._not_in_shard(key)
         return shard, base + meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"])
 
     def dtype(self, key: str) -> str:

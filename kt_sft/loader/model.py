@@ -46,6 +46,25 @@ def source_format(source: str | Path) -> str:
     return checkpoint_format(quantization_config_of(json.loads((Path(source) / "config.json").read_text())))
 
 
+# The safetensors dtypes each of weight_keys(fmt, ...) may be stored in: read as stored or converted to the
+# engine's dtype (F16/F32 values of BF16 experts rounded to BF16, as a BF16 from_pretrained rounds them), never
+# read as numbers they are not.
+_STORED_DTYPES = {
+    "bf16": (("BF16", "F16", "F32"),),
+    "fp8": (("F8_E4M3",), ("F32", "BF16", "F16")),
+    "int4": (("I32",), ("BF16", "F16", "F32"), ("I32", "I64")),  # scales other than BF16: the check below says why
+}
+
+
+def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...]) -> ValueError:
+    if fmt == "bf16" and dtype in ("F8_E4M3", "I32"):
+        return ValueError(f"{key} is stored as {dtype}, but config.json has no quantization_config, so its values "
+                          "would be read as plain numbers; restore the quantization_config the checkpoint was "
+                          "published with.")
+    return ValueError(f"{key} is stored as {dtype}, where {fmt} experts keep {' or '.join(dtypes)}; check that "
+                      "config.json's quantization_config belongs to these weights.")
+
+
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     """Every expert tensor (and its scales) is present with the shape config.json implies, before any weight
     is read."""
@@ -66,7 +85,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         for e in range(E):
             for p in range(3):
                 keys = weight_keys(fmt, arch.expert_key(layer, e, p))
-                for key, shape in zip(keys, stored_shapes(fmt, want[p])):
+                for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
                     if key not in ckpt.shard_of:
                         raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
                                          f"layout ({fmt} experts) implies; check that config.json belongs to these "
@@ -74,11 +93,13 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                     if ckpt.shape(key) != shape:
                         raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
                                          f"{list(shape)}; check that config.json belongs to these weights.")
+                    if ckpt.dtype(key) not in dtypes:
+                        raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
                 if fmt == "int4" and ckpt.dtype(keys[1]) != "BF16":  # the engine keeps the scales in BF16
                     raise ValueError(f"{keys[1]} is {ckpt.dtype(keys[1])}; kt_sft reads INT4 group scales as BF16, "
                                      "as the RAWINT4 checkpoints publish them, and would round these: requantize with "
                                      "BF16 scales, or prepare a BF16 checkpoint with `--expert-format int4`.")
-                if fmt == "int4" and e == 0:
+                if fmt == "int4":
                     key = keys[2]
                     if ckpt.get(key).tolist() != list(want[p]):
                         raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "

@@ -25,15 +25,20 @@ def checkpoint_format(quantization_config: dict | None) -> str:
     qc = quantization_config
     if not qc:
         return "bf16"
+    if not isinstance(qc, dict):
+        raise _unsupported(f"the value {qc!r} where an object is expected")
     method = qc.get("quant_method")
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
             raise _unsupported(f"fmt {qc.get('fmt')!r} and weight_block_size {qc.get('weight_block_size')}")
         return "fp8"
     if method == "compressed-tensors":
-        groups = list((qc.get("config_groups") or {}).values())
+        groups = qc.get("config_groups") or {}
+        groups = list(groups.values()) if isinstance(groups, dict) else [groups]
         if len(groups) != 1:
             raise _unsupported(f"{len(groups)} config_groups (one group of int4 weights is supported)")
+        if not isinstance(groups[0], dict) or not isinstance(groups[0].get("weights") or {}, dict):
+            raise _unsupported(f"the config group {groups[0]!r}, which is not an object with a weights object")
         weights = groups[0].get("weights") or {}
         fmt = groups[0].get("format") or qc.get("format")
         want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
@@ -69,11 +74,22 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
 COMPANION_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_shape")
 
 
+def _companions(key: str, dtype: str) -> tuple[str, ...]:
+    """The keys a weight stored under `key` (safetensors dtype `dtype`) is read together with."""
+    if key.endswith(".weight_packed"):
+        return weight_keys("int4", key.removesuffix("_packed"))[1:]
+    return weight_keys("fp8", key)[1:] if dtype == "F8_E4M3" else ()
+
+
 def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     """(module key `<module>.weight`, float32 values) of a weight stored quantized, or the tensor as stored for
     everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`); `read(key)` reads a
     tensor (default: ckpt.get)."""
     read = read or ckpt.get
+    for companion in _companions(key, ckpt.dtype(key)):
+        if companion not in ckpt.shard_of:
+            raise ValueError(f"the checkpoint has {key} but not {companion}, which reading it needs; the checkpoint is "
+                             "incomplete: download it again.")
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
         cols = int(ckpt.get(base + ".weight_shape")[1])

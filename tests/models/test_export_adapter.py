@@ -88,6 +88,11 @@ def test_export_names_what_it_needs(tmp_path):
     _, model_dir = trained_adapter("qwen3_moe", tmp_path)
     with pytest.raises(FileNotFoundError, match="pass the model directory with --model"):
         run(["export", str(tmp_path / "adapter"), str(tmp_path / "out")])
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 2 * config[
+        "moe_intermediate_size"]}))
+    with pytest.raises(ValueError, match="experts of intermediate size .*; export it with the model it was trained on"):
+        run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)])
 
 
 def test_an_adapter_without_expert_lora_is_named(tmp_path):

@@ -179,4 +179,11 @@ def test_merge_names_what_it_cannot_do(tmp_path):
     (other / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA adapter"):
         merge_adapter(model_dir, other, tmp_path / "out")
+    # What the loader refuses to read, merge refuses too (it would have requantized as symmetric INT4).
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32}}}}}))
+    with pytest.raises(ValueError, match="'symmetric': False.*kt_sft reads"):
+        merge_adapter(model_dir, adapter, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "busy", "model", "other"]

@@ -50,6 +50,22 @@ def test_missing_shard_is_named(saved, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stale_index_is_named(saved, tmp_path):
+    # The index puts an expert weight in a shard that does not hold it.
+    _, src = saved("qwen3_moe")
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(src / "model.safetensors"))
+    key = "model.layers.0.mlp.experts.3.up_proj.weight"
+    moved = {key: state.pop(key)}
+    save_file(state, str(src / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(moved, str(src / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    (src / "model.safetensors").unlink()
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in [*state, key]}  # key is in the second
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ValueError, match=f"index puts {key} in model-00001-of-00002.safetensors, which does not hold"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 def test_config_that_disagrees_with_weights_is_refused(saved, tmp_path):
     _, src = saved("qwen3_moe")
     cfg = json.loads((src / "config.json").read_text())

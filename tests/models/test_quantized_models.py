@@ -2,6 +2,7 @@
 `kt-sft prepare` + AutoModelForCausalLM(trust_remote_code): experts stay quantized in the engine, logits equal
 the stock model on the dequantized values, LoRA trains, full fine-tuning is refused, bad configs are named."""
 import json
+import re
 
 import peft
 import pytest
@@ -103,6 +104,8 @@ def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published
     ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}, "'num_bits': 8"),
+    ("fp8", "the value 'fp8' where an object is expected"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": "int4"}}, "the config group 'int4'"),
 ])
 def test_unsupported_quantization_is_named(published, tmp_path, qc, match):
     cfg = json.loads((published["bf16"] / "config.json").read_text())
@@ -124,6 +127,48 @@ def test_missing_scales_are_named(published, tmp_path):
     del state["model.layers.1.mlp.experts.3.up_proj.weight_scale_inv"]
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"no model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale_inv"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+def _rewrite(src, change):
+    """The single-shard checkpoint in src with its tensors passed through change(state)."""
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(src / "model.safetensors"))
+    change(state)
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _keys(src):
+    from safetensors import safe_open
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
+def test_fp8_experts_without_their_quantization_config_are_refused(published, tmp_path):
+    # Read as BF16, the codes would have become the weights without their scales.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "no_qc", "fp8")
+    cfg = json.loads((src / "config.json").read_text())
+    del cfg["quantization_config"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight is stored as F8_E4M3, but config.json has no "
+                                         "quantization_config"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_a_missing_scale_of_a_dense_fp8_weight_is_named(published, tmp_path):
+    src = quantize_checkpoint(published["bf16"], tmp_path / "no_attn_scale", "fp8")
+    key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight_scale_inv"))
+    _rewrite(src, lambda state: state.pop(key))
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0  # prepare checks the experts only
+    with pytest.raises(ValueError, match=f"has {key.removesuffix('_scale_inv')} but not {key}"):
+        load(tmp_path / "out")
+
+
+def test_int4_weight_shape_of_any_expert_is_checked(published, tmp_path):
+    src = quantize_checkpoint(published["bf16"], tmp_path / "bad_shape", "int4", model_type="kimi_k2")
+    key = "model.layers.1.mlp.experts.3.gate_proj.weight_shape"
+    _rewrite(src, lambda state: state[key].sub_(1))
+    with pytest.raises(ValueError, match=re.escape(key) + " says"):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
