@@ -347,6 +347,18 @@ def test_a_lora_matrix_tied_across_projections_gets_the_sum_of_both_grads(module
     assert torch.equal(A["gate"].grad, untied["dA_gate"] + untied["dA_up"])
 
 
+def test_a_tensor_hook_on_a_lora_matrix_sees_and_changes_its_grad(module):
+    x, idx, w, g = inputs(SHAPE)
+    plain = run_engine(module, x, idx, w, g)
+    A = module.lora_A["default"]["gate"]
+    seen = []
+    handle = A.register_hook(lambda grad: seen.append(grad.clone()) or 2 * grad)
+    hooked = run_engine(module, x, idx, w, g)
+    handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], plain["dA_gate"])
+    assert torch.equal(hooked["dA_gate"], 2 * plain["dA_gate"]) and torch.equal(hooked["dA_up"], plain["dA_up"])
+
+
 def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(module):
     x, idx, w, _ = inputs(SHAPE)
     with torch.no_grad():
