@@ -169,12 +169,13 @@ def _configure_from_env() -> None:
     threads = os.environ.get("KT_SFT_THREADS")
     kernels = os.environ.get("KT_SFT_KERNELS")
     pin = os.environ.get("KT_SFT_PIN")
+    pinned = _switch("KT_SFT_PIN", default=True)
     if threads or kernels or pin:
         if threads and not threads.strip().isdigit():
             raise ValueError(f"KT_SFT_THREADS={threads!r} is not a whole number; set it to the engine's thread count "
                              "(0: one per CPU this process may use).")
         try:
-            _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pin != "0", kernels or "", 0)
+            _C.configure(_thread_count(threads or 0, "KT_SFT_THREADS"), pinned, kernels or "", 0)
         except RuntimeError as e:  # the only setting the engine can refuse here: say where it came from
             raise RuntimeError(f"KT_SFT_KERNELS={kernels!r}: {e}") from None
 

@@ -282,6 +282,7 @@ def test_merge_leaves_an_existing_merging_directory_alone(adapter, tmp_path):
     ("KT_SFT_BACKWARD_COPY=yes", "KT_SFT_BACKWARD_COPY='yes' is neither 0 nor 1"),
     ("KT_SFT_RECOMPUTE_EXPERTS=true", "KT_SFT_RECOMPUTE_EXPERTS='true' is neither 0 nor 1"),
     ("KT_SFT_LORA_ON_GPU=on", "KT_SFT_LORA_ON_GPU='on' is neither 0 nor 1"),
+    ("KT_SFT_PIN=false", "KT_SFT_PIN='false' is neither 0 nor 1"),
 ])
 def test_a_bad_engine_setting_is_reported_not_raised_at_import(setting, message):
     # Raised at import, it took every kt-sft command down with a traceback, doctor (which should report it) too.
