@@ -55,15 +55,20 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _codes(w, scale_inv), scale_inv.contiguous()
 
 
-def requantize(w: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize(w: torch.Tensor, scale_inv: torch.Tensor,
+               base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv) of w on existing block scales (a merged weight on its published grid): a block keeps its
     scale while its largest magnitude fits (≤ 448 of it), so unchanged values get their codes back and a small
     change moves only the codes it crosses a rounding boundary of; a block that would overflow (or had no usable
-    scale) takes the scale quantize() gives it. Scales come back in scale_inv's dtype, and the codes are computed
-    with them as stored."""
+    scale: zero, or a block all zero in `base`, the weight before the change, whose scale any value would have
+    served, quantize()'s 1 for one) takes the scale quantize() gives it. Scales come back in scale_inv's dtype, and
+    the codes are computed with them as stored."""
     w = w.to(torch.float32)
     amax, old = _block_amax(w), scale_inv.to(torch.float32)
-    kept = torch.where((amax <= FP8_MAX * old) & (old > 0), old, _fresh_scales(amax)).to(scale_inv.dtype)
+    usable = old > 0
+    if base is not None:
+        usable &= _block_amax(base.to(torch.float32)) > 0
+    kept = torch.where((amax <= FP8_MAX * old) & usable, old, _fresh_scales(amax)).to(scale_inv.dtype)
     return _codes(w, kept.to(torch.float32)), kept.contiguous()
 
 

@@ -76,15 +76,20 @@ def _codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(w / expand_scales(scale.to(torch.float32), w.shape[-1])).clamp(QMIN, QMAX).to(torch.int8)
 
 
-def requantize(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize(w: torch.Tensor, scale: torch.Tensor,
+               base: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, scale) of w on the grid of existing group scales (a merged weight on its published grid): a group
     keeps its scale while all its values round inside [-8, 7] steps of it, so unchanged values get their codes
     back and a small change moves only the codes it crosses a rounding boundary of; a group that would clip (or
-    had no usable scale) takes the scale quantize() gives it. Quantizing afresh would give every group another
-    scale (its largest code is 7 or -8, not the rule's 7.5) and move codes that no update touched."""
+    had no usable scale: zero, or a group all zero in `base`, the weight before the change, whose scale any value
+    would have served, quantize()'s 1 for one) takes the scale quantize() gives it. Quantizing afresh would give
+    every group another scale (its largest code is 7 or -8, not the rule's 7.5) and move codes that no update
+    touched."""
     w = w.to(torch.float32)
     steps = _grouped(torch.round(w / expand_scales(scale.to(torch.float32), w.shape[-1])))
     fits = ((steps >= QMIN) & (steps <= QMAX)).all(-1) & (scale.to(torch.float32) > 0)
+    if base is not None:
+        fits &= _grouped(base.to(torch.float32)).abs().amax(-1) > 0
     kept = torch.where(fits, scale.to(torch.bfloat16), _fresh_scales(_grouped(w).abs().amax(-1)))
     return pack(_codes(w, kept)), kept.contiguous()
 

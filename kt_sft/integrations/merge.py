@@ -163,11 +163,11 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
     if not torch.isfinite(new).all():
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
     if fmt == "int4":
-        packed, scale = int4_group.requantize(new, scales)
+        packed, scale = int4_group.requantize(new, scales, base=w)
         out = {keys[0]: packed, keys[1]: scale, keys[2]: shape}
         back = int4_group.dequantize(packed, scale, cols)
     elif fmt == "fp8":
-        q, scale_inv = fp8_block.requantize(new, scales)
+        q, scale_inv = fp8_block.requantize(new, scales, base=w)
         out = {keys[0]: q, keys[1]: scale_inv}
         back = fp8_block.dequantize(q, scale_inv)
     else:

@@ -84,10 +84,10 @@ def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt)
         want = values.float() + updates[weight]
         base = weight.removesuffix(".weight")
         if key.endswith(".weight_packed"):
-            packed, scale = int4_group.requantize(want, src.get(base + ".weight_scale"))
+            packed, scale = int4_group.requantize(want, src.get(base + ".weight_scale"), base=values)
             assert torch.equal(out.get(key), packed) and torch.equal(out.get(base + ".weight_scale"), scale), key
         elif src.dtype(key) == "F8_E4M3":
-            q, scale_inv = fp8_block.requantize(want, src.get(base + ".weight_scale_inv"))
+            q, scale_inv = fp8_block.requantize(want, src.get(base + ".weight_scale_inv"), base=values)
             assert torch.equal(out.get(key).view(torch.uint8), q.view(torch.uint8)), key
             assert torch.equal(out.get(base + ".weight_scale_inv"), scale_inv), key
         else:

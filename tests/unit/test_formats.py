@@ -6,6 +6,7 @@ from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
 
 import kt_sft
 from kt_sft.formats import QuantizedExperts, fp8_block, int4_group
+from tolerances import rel_l2
 
 
 class _Quantizer:  # the attributes transformers' FP8 conversion ops read from their quantizer (5.6 to 5.17)
@@ -56,6 +57,31 @@ def test_fp8_partial_edge_blocks_and_every_code():
     want = q.float() * s[rows][:, cols]
     assert torch.equal(got, want)
     assert got[128:256, 128:].abs().max() == 0
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_requantize_gives_a_block_all_zero_before_the_change_a_fresh_scale(fmt):
+    # quantize() gives an all-zero block or group scale 1: kept, a merged update of ~1e-3 there rounded to zero
+    # (INT4) or to a grid 12x coarser than its own (FP8).
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2, 200, 300, generator=g)
+    block = (0, slice(0, 128), slice(0, 128)) if fmt == "fp8" else (0, 0, slice(0, 32))
+    scale_of = (0, 0, 0)
+    w[block] = 0
+    codec = fp8_block if fmt == "fp8" else int4_group
+    dequantize = fp8_block.dequantize if fmt == "fp8" else lambda q, s: int4_group.dequantize(q, s, 300)
+    q, s = codec.quantize(w)
+    assert s[scale_of] == 1
+    base = dequantize(q, s)
+    new = base.clone()
+    new[block] += 1e-3 * torch.randn(new[block].shape, generator=g)
+    new_q, new_s = codec.requantize(new, s, base=base)
+    assert new_s[scale_of] == codec.quantize(new)[1][scale_of]
+    kept = torch.ones_like(s, dtype=torch.bool)
+    kept[scale_of] = False
+    assert torch.equal(new_s[kept], s[kept])
+    change = new[block] - base[block]
+    assert rel_l2(dequantize(new_q, new_s)[block] - base[block], change) < 0.2
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
