@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import sys
 import warnings
 import weakref
 from typing import Sequence
@@ -429,7 +430,8 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def lora_grad_into(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
         """Where the engine may write a float32 CPU LoRA matrix's grad in place of autograd, and whether it adds
-        into it: a buffer kept per matrix and reused every step, to become param.grad, when the grad is None;
+        into it: a buffer kept per matrix and reused every step (unless something else still holds it), to
+        become param.grad, when the grad is None;
         the grad itself, added into, when an earlier micro-batch left one (gradient accumulation). Either way
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
         machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
@@ -446,7 +448,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             return (grad, True) if fits else (None, False)
         buffers = self.__dict__.setdefault("_lora_grad_buffers", {})
         buf = buffers.get(id(param))
-        if buf is None or buf.shape != param.shape:
+        # Reused only when nothing but this dict holds it (the dict, `buf` and getrefcount's argument): a grad
+        # that someone kept from an earlier step (gradient history, PCGrad) stays theirs, as autograd's would.
+        if buf is None or buf.shape != param.shape or sys.getrefcount(buf) > 3:
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
 

@@ -260,13 +260,15 @@ class EngineResult(torch.autograd.Function):
         # Straight into param.grad where backward() puts it and may (direct: overwriting a reused buffer, or adding
         # into the grad of an earlier micro-batch), else written into new tensors for autograd.
         # Returned to autograd instead: the grads of a parameter given for two projections (tied), for autograd to
-        # sum (the buffer lora_grad_into keeps per parameter would take only the second), and of one with tensor
-        # hooks (register_hook), which see and may change the grad before it is accumulated.
+        # sum (the buffer lora_grad_into keeps per parameter would take only the second), and of one with hooks:
+        # tensor hooks (register_hook) see and may change the grad before it is accumulated, and post-accumulate
+        # hooks then run after it on the compute stream (a LoRA on the GPU gets its direct grad on a side stream,
+        # which the compute stream waits for only at the backward's end).
         lora_grads, direct, accumulate = [], [], []
         ids = [id(p) for p in call.lora_params if p is not None]
         for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
             where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
-            if where == INTO_GRAD and (ids.count(id(p)) > 1 or p._backward_hooks):
+            if where == INTO_GRAD and (ids.count(id(p)) > 1 or p._backward_hooks or p._post_accumulate_grad_hooks):
                 where = TO_CALLER
             target, adds = module.lora_grad_into(p) if where == INTO_GRAD else (None, False)
             direct.append(target is not None)

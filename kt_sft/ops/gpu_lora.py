@@ -85,20 +85,21 @@ class GpuLora:
     def _copy_changed(self, params, optimizer_steps: int) -> list:
         """Queues the copies of the params that changed since their last one; returns events that tell when
         they are done."""
-        changed = []
-        for p in params:
+        changed = {}  # param -> its state now: recorded once its copy is queued, so that a copy an error cut
+        for p in params:  # short is queued again by the next call, not taken for done
             copy, state = self._entry(self._copies, p)
             now = (p.data_ptr(), p._version, optimizer_steps)
             if state != now:
-                changed.append(p)
-                self._copies[p] = (copy, now)
+                changed[p] = now
         events = []
         for device in {p.device for p in changed}:
             stream = _queue_on_side(device)
             with torch.cuda.stream(stream):
-                for p in changed:
+                for p, now in changed.items():
                     if p.device == device:
-                        self._copies[p][0].copy_(p.detach(), non_blocking=True)
+                        copy = self._copies[p][0]
+                        copy.copy_(p.detach(), non_blocking=True)
+                        self._copies[p] = (copy, now)
             events.append(stream.record_event())
         return events
 

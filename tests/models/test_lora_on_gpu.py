@@ -13,6 +13,7 @@ from torch.optim import optimizer as optimizer_module  # an import: torch.optim 
 
 import kt_sft.nn.experts as kt_experts
 from kt_sft.models import use_cpu_experts
+from kt_sft.ops import gpu_lora
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import tiny_model
 from tolerances import GPU_VS_CPU, TRAIN_STEPS, rel_l2
@@ -199,3 +200,50 @@ def test_lora_a_load_put_on_the_gpu_trains_with_a_fused_optimizer(monkeypatch):
     losses = train(gpu, cuda, fused=True)
     assert all(p.device.type == "cuda" for p in expert_lora(gpu))
     assert losses == pytest.approx(train(ref, cuda, fused=True), rel=TRAIN_STEPS)
+
+
+@needs_cuda
+def test_post_accumulate_grad_hooks_see_the_uploaded_grad(monkeypatch):
+    # The engine's grads go up on a side stream, which the compute stream waits for at the backward's end; a
+    # matrix with such a hook takes its grad through autograd, so the hook's reads follow its copy.
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(device=cuda).train()
+    a = expert_lora(gpu)[0]
+    seen = []
+    a.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    ids = batch(1, cuda)
+    loss = gpu(input_ids=ids, labels=ids).loss
+    with torch.cuda.stream(gpu_lora._queue_on_side(cuda)):
+        torch.cuda._sleep(int(2e8))  # holds back whatever the side stream uploads next
+    loss.backward()
+    torch.cuda.synchronize()
+    assert len(seen) == 1 and torch.equal(seen[0], a.grad)
+
+
+@needs_cuda
+def test_a_lora_copy_cut_short_by_an_error_is_made_again(monkeypatch):
+    # The engine reads CPU copies of the GPU matrices, made again when they change; a copy an error stopped before
+    # it was queued must not count as made.
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
+    ref = lora_model(device=cuda).eval()
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(device=cuda).eval()
+    ids = batch(1, cuda)
+    with torch.no_grad():
+        gpu(input_ids=ids)  # the copies made
+        for model in (gpu, ref):
+            for p in expert_lora(model):
+                p.add_(0.5)
+    queue = gpu_lora._queue_on_side
+
+    def fail(device):
+        raise torch.cuda.OutOfMemoryError("on purpose")
+
+    monkeypatch.setattr(gpu_lora, "_queue_on_side", fail)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="on purpose"), torch.no_grad():
+        gpu(input_ids=ids)
+    monkeypatch.setattr(gpu_lora, "_queue_on_side", queue)
+    with torch.no_grad():
+        assert rel_l2(gpu(input_ids=ids).logits.cpu(), ref(input_ids=ids).logits.cpu()) <= GPU_VS_CPU

@@ -359,6 +359,33 @@ def test_a_tensor_hook_on_a_lora_matrix_sees_and_changes_its_grad(module):
     assert torch.equal(hooked["dA_gate"], 2 * plain["dA_gate"]) and torch.equal(hooked["dA_up"], plain["dA_up"])
 
 
+def test_a_grad_kept_from_an_earlier_step_is_left_alone(module):
+    # The engine writes a LoRA grad into a buffer it reuses every step, unless someone still holds last step's.
+    x, idx, w, g = inputs(SHAPE)
+    A = module.lora_A["default"]["gate"]
+    module(x, idx, w).backward(g)
+    kept, first = A.grad, A.grad.clone()
+    module.zero_grad(set_to_none=True)
+    module(x, idx, 0.5 * w).backward(g)
+    assert torch.equal(kept, first) and A.grad.data_ptr() != kept.data_ptr()
+    del kept
+    buffer = A.grad.data_ptr()
+    module.zero_grad(set_to_none=True)
+    module(x, idx, w).backward(g)
+    assert A.grad.data_ptr() == buffer and torch.equal(A.grad, first)
+
+
+def test_post_accumulate_grad_hooks_see_the_whole_grad(module):
+    x, idx, w, g = inputs(SHAPE)
+    plain = run_engine(module, x, idx, w, g)
+    A = module.lora_A["default"]["up"]
+    seen = []
+    handle = A.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    run_engine(module, x, idx, w, g)
+    handle.remove()
+    assert len(seen) == 1 and torch.equal(seen[0], plain["dA_up"])
+
+
 def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(module):
     x, idx, w, _ = inputs(SHAPE)
     with torch.no_grad():
