@@ -52,11 +52,15 @@ def source_format(source: str | Path) -> str:
 _STORED_DTYPES = {
     "bf16": (("BF16", "F16", "F32"),),
     "fp8": (("F8_E4M3",), ("F32", "BF16", "F16")),
-    "int4": (("I32",), ("BF16", "F16", "F32"), ("I32", "I64")),  # scales other than BF16: the check below says why
+    "int4": (("I32",), ("BF16",), ("I32", "I64")),  # the engine keeps the group scales in BF16
 }
 
 
 def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...]) -> ValueError:
+    if fmt == "int4" and key.endswith(".weight_scale"):
+        return ValueError(f"{key} is {dtype}; kt_sft reads INT4 group scales as BF16, as the RAWINT4 checkpoints "
+                          "publish them, and would round these: requantize with BF16 scales, or prepare a BF16 "
+                          "checkpoint with `--expert-format int4`.")
     if fmt == "bf16" and dtype in ("F8_E4M3", "I32"):
         return ValueError(f"{key} is stored as {dtype}, but config.json has no quantization_config, so its values "
                           "would be read as plain numbers; restore the quantization_config the checkpoint was "
@@ -95,10 +99,6 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                          f"{list(shape)}; check that config.json belongs to these weights.")
                     if ckpt.dtype(key) not in dtypes:
                         raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
-                if fmt == "int4" and ckpt.dtype(keys[1]) != "BF16":  # the engine keeps the scales in BF16
-                    raise ValueError(f"{keys[1]} is {ckpt.dtype(keys[1])}; kt_sft reads INT4 group scales as BF16, "
-                                     "as the RAWINT4 checkpoints publish them, and would round these: requantize with "
-                                     "BF16 scales, or prepare a BF16 checkpoint with `--expert-format int4`.")
                 if fmt == "int4":
                     key = keys[2]
                     if ckpt.get(key).tolist() != list(want[p]):

@@ -74,22 +74,11 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
 COMPANION_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_shape")
 
 
-def _companions(key: str, dtype: str) -> tuple[str, ...]:
-    """The keys a weight stored under `key` (safetensors dtype `dtype`) is read together with."""
-    if key.endswith(".weight_packed"):
-        return weight_keys("int4", key.removesuffix("_packed"))[1:]
-    return weight_keys("fp8", key)[1:] if dtype == "F8_E4M3" else ()
-
-
 def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     """(module key `<module>.weight`, float32 values) of a weight stored quantized, or the tensor as stored for
     everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`); `read(key)` reads a
     tensor (default: ckpt.get)."""
     read = read or ckpt.get
-    for companion in _companions(key, ckpt.dtype(key)):
-        if companion not in ckpt.shard_of:
-            raise ValueError(f"the checkpoint has {key} but not {companion}, which reading it needs; the checkpoint is "
-                             "incomplete: download it again.")
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
         cols = int(ckpt.get(base + ".weight_shape")[1])
