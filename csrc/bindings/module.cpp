@@ -181,6 +181,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("capabilities", [] {
     CpuFeatures f = cpu_features();
     Runtime& rt = Runtime::get();
+    auto settings = rt.settings_lock();
     py::dict d;
     d["cpu"] = py::dict(py::arg("avx2_fma") = f.avx2_fma, py::arg("avx512") = f.avx512,
                         py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_bf16") = f.amx_bf16);

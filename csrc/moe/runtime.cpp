@@ -53,8 +53,11 @@ void Runtime::configure(int n_threads, bool pin, const std::string& kernels, int
                                 "per CPU this process may use) to " + std::to_string(max_threads()) +
                                 " threads; one per physical core is fastest.");
   const KernelSet* ks = &select_kernels(kernels);  // throws before anything changes
-  // Drain the queue so no call in flight sees the pool change under it.
-  queue_->submit([] {})->wait();
+  queue_->run_now([&] { apply(n_threads, pin, ks, tile_min_rows); })->wait();
+}
+
+void Runtime::apply(int n_threads, bool pin, const KernelSet* ks, int tile_min_rows) {
+  std::lock_guard<std::mutex> lock(settings_mutex_);
   kernels_ = ks;
   // At most 2^24: forward_tile_rows multiplies it by up to 4 in an int.
   tile_min_rows_ = tile_min_rows > 0 ? std::min(tile_min_rows, 1 << 24) : kTileMinRows;

@@ -32,7 +32,8 @@ class Scratch {
     void operator()(float* p) const { delete_aligned_floats(p); }
   };
   std::unique_ptr<float[], Free> buf_[N_SLOTS];
-  size_t cap_[N_SLOTS] = {};
+  // Atomic: capabilities() reads them from another thread while a queued call may grow a buffer.
+  std::atomic<size_t> cap_[N_SLOTS] = {};
 };
 
 // The rows per expert in a call from which the tile kernels are used (forward_tile_rows, backward_tile_rows derive
@@ -49,7 +50,12 @@ class Runtime {
   // tile_min_rows: the rows per expert in a call from which the tile kernels are used, as forward_tile_rows and
   // backward_tile_rows derive them (0: the default, kTileMinRows).
   // n_threads: 0 (one per CPU this process may use) to max_threads(); invalid_argument outside that.
+  // Runs on the caller's thread once no engine call is in flight (queue().run_now), so a call that another
+  // thread starts meanwhile waits for the new pool rather than running on the one being freed.
   void configure(int n_threads, bool pin, const std::string& kernels, int tile_min_rows = 0);
+  // Held while configure swaps the settings: a reader outside the queue (capabilities) takes it to see them
+  // whole and the pool alive.
+  std::unique_lock<std::mutex> settings_lock() { return std::unique_lock<std::mutex>(settings_mutex_); }
   ThreadPool& pool() { return *pool_; }
   // Throws the reason (no AVX2) when no kernel set was chosen.
   const KernelSet& kernels() const;
@@ -102,6 +108,8 @@ class Runtime {
     const TileKernels* t = kernels().tiles;
     return t && t->emulated;
   }
+  void apply(int n_threads, bool pin, const KernelSet* kernels, int tile_min_rows);
+  std::mutex settings_mutex_;
   std::unique_ptr<ThreadPool> pool_;
   const KernelSet* kernels_ = nullptr;
   std::string no_kernels_reason_;

@@ -47,11 +47,16 @@ double sum_squares(const std::vector<View>& tensors) {
     for (int64_t b = 0; b < n; b += kChunk) items.push_back({&t, b, std::min(kChunk, n - b)});
   }
   std::vector<double> partial(items.size());
-  Runtime::get().parallel_for(static_cast<long>(items.size()), [&](long i, int) {
-    const Item& it = items[i];
-    partial[i] = it.t->dtype == DType::f32 ? chunk_sum(it.t->as<float>() + it.begin, it.n)
-                                           : chunk_sum(it.t->as<bf16>() + it.begin, it.n);
-  });
+  Runtime& rt = Runtime::get();
+  // Through the queue, as engine calls run: after the calls in flight, and never beside a configure swapping the
+  // pool (a second caller of the pool would wait on it forever).
+  rt.queue().run_now([&] {
+    rt.parallel_for(static_cast<long>(items.size()), [&](long i, int) {
+      const Item& it = items[i];
+      partial[i] = it.t->dtype == DType::f32 ? chunk_sum(it.t->as<float>() + it.begin, it.n)
+                                             : chunk_sum(it.t->as<bf16>() + it.begin, it.n);
+    });
+  })->wait();
   double total = 0;
   for (double p : partial) total += p;
   return total;

@@ -16,6 +16,7 @@ import itertools
 import math
 import numbers
 import sys
+import threading
 import warnings
 import weakref
 from typing import Sequence
@@ -32,6 +33,26 @@ from ..ops.gpu_lora import GpuLora, check_room
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
                                 reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
+
+
+# Held while a backward decides where the engine writes a parameter's grad and while it hands that grad over: two
+# threads' backwards through one module would otherwise both find the grad None and the later one's would replace
+# the other's.
+_grads_lock = threading.Lock()
+_storage_uses = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _uses(t: torch.Tensor) -> int:
+    return _storage_uses(t.untyped_storage()._cdata)
+
+
+# What _uses reads for a tensor whose memory nothing else shares.
+_UNSHARED_USES = _uses(torch.empty(1)) if _storage_uses else None
+
+
+def _memory_shared(t: torch.Tensor) -> bool:
+    """Whether another tensor (a view, .detach(), .data) shares t's memory; True where torch cannot tell."""
+    return _storage_uses is None or _uses(t) != _UNSHARED_USES
 
 
 # Optimizer steps taken in this process (torch.optim's global post-step hook, installed with the first float32
@@ -428,7 +449,7 @@ class KTExperts(LoadsInPlace, nn.Module):
         return [None if p is None else next(copies) if p.device.type == "cuda" else to_engine(p, torch.float32)
                 for p in lora_params]
 
-    def lora_grad_into(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
+    def lora_grad_into(self, param: nn.Parameter, call: object) -> tuple[torch.Tensor | None, bool]:
         """Where the engine may write a float32 CPU LoRA matrix's grad in place of autograd, and whether it adds
         into it: a buffer kept per matrix and reused every step (unless something else still holds it), to
         become param.grad, when the grad is None;
@@ -436,9 +457,22 @@ class KTExperts(LoadsInPlace, nn.Module):
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
         machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
         (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
-        then copies up."""
-        if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda"):
+        then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad); until then a
+        second backward through this module (another thread's, or this module's other call in one graph when
+        autograd interleaves them) returns its grad to autograd rather than take the same or a second buffer."""
+        if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda") or not param.is_contiguous():
             return None, False
+        with _grads_lock:
+            in_flight = self.__dict__.setdefault("_lora_grads_in_flight", {})
+            holder = in_flight.get(id(param))
+            if holder is not None and holder() is not None:
+                return None, False
+            target, adds = self._lora_grad_target(param)
+            if target is not None and not adds:  # grads added into param.grad serialize on the engine instead
+                in_flight[id(param)] = weakref.ref(call)  # dies with a backward that raised before handing over
+            return target, adds
+
+    def _lora_grad_target(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
         grad = param.grad
         fits = grad is None or (grad.dtype == torch.float32 and grad.device == param.device and not grad.requires_grad
                                 and grad.layout == torch.strided and grad.shape == param.shape and grad.is_contiguous())
@@ -448,18 +482,24 @@ class KTExperts(LoadsInPlace, nn.Module):
             return (grad, True) if fits else (None, False)
         buffers = self.__dict__.setdefault("_lora_grad_buffers", {})
         buf = buffers.get(id(param))
-        # Reused only when nothing but this dict holds it (the dict, `buf` and getrefcount's argument): a grad
-        # that someone kept from an earlier step (gradient history, PCGrad) stays theirs, as autograd's would.
-        if buf is None or buf.shape != param.shape or sys.getrefcount(buf) > 3:
+        # Reused only when nothing but this dict holds it (the dict, `buf` and getrefcount's argument) or shares its
+        # memory (a view, .detach(), .data): a grad that someone kept from an earlier step (gradient history, PCGrad)
+        # stays theirs, as autograd's would.
+        if buf is None or buf.shape != param.shape or sys.getrefcount(buf) > 3 or _memory_shared(buf):
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
 
     def hand_lora_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Makes grad, written by the engine where lora_grad_into said, param's gradient."""
-        if param.device.type == "cuda":
-            self._gpu_lora.hand_grad(param, grad)
-        else:
-            param.grad = grad  # the reused buffer, or the grad the engine added into
+        """Makes grad, written by the engine where lora_grad_into said, param's gradient (added into the grad that
+        another backward's autograd gave it meanwhile, if any)."""
+        with _grads_lock:
+            self.__dict__.get("_lora_grads_in_flight", {}).pop(id(param), None)
+            if param.device.type == "cuda":
+                self._gpu_lora.hand_grad(param, grad)
+            elif param.grad is None or param.grad is grad:
+                param.grad = grad  # the reused buffer, or the grad the engine added into
+            else:
+                param.grad.add_(grad)
 
     def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way
@@ -478,9 +518,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         return None
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        return param.grad
+        with _grads_lock:  # two threads' backwards add into one grad (on the engine, in turn), not each into its own
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            return param.grad
 
     def _check(self, hidden_states, top_k_index, top_k_weights):
         if self._weights_read() != self._engine_weights:

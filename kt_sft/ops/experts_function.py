@@ -270,7 +270,7 @@ class EngineResult(torch.autograd.Function):
             where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
             if where == INTO_GRAD and (ids.count(id(p)) > 1 or p._backward_hooks or p._post_accumulate_grad_hooks):
                 where = TO_CALLER
-            target, adds = module.lora_grad_into(p) if where == INTO_GRAD else (None, False)
+            target, adds = module.lora_grad_into(p, call) if where == INTO_GRAD else (None, False)
             direct.append(target is not None)
             accumulate.append(adds)
             lora_grads.append(target if target is not None else None if where == NOWHERE else torch.empty_like(p32))

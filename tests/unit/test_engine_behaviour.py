@@ -1,4 +1,5 @@
 """Threads, async submission, bad input, device moves and construction paths of the engine."""
+import threading
 import time
 from dataclasses import replace
 
@@ -359,20 +360,94 @@ def test_a_tensor_hook_on_a_lora_matrix_sees_and_changes_its_grad(module):
     assert torch.equal(hooked["dA_gate"], 2 * plain["dA_gate"]) and torch.equal(hooked["dA_up"], plain["dA_up"])
 
 
-def test_a_grad_kept_from_an_earlier_step_is_left_alone(module):
-    # The engine writes a LoRA grad into a buffer it reuses every step, unless someone still holds last step's.
+@pytest.mark.parametrize("keep", [lambda t: t, lambda t: t.detach(), lambda t: t.data, lambda t: t.view(-1)],
+                         ids=["itself", "detach", "data", "view"])
+def test_a_grad_kept_from_an_earlier_step_is_left_alone(module, keep):
+    # The engine writes a LoRA grad into a buffer it reuses every step, unless someone still holds last step's
+    # or shares its memory (.detach() and .data hold no reference to the grad itself).
     x, idx, w, g = inputs(SHAPE)
     A = module.lora_A["default"]["gate"]
     module(x, idx, w).backward(g)
-    kept, first = A.grad, A.grad.clone()
+    kept, first = keep(A.grad), A.grad.clone()
     module.zero_grad(set_to_none=True)
     module(x, idx, 0.5 * w).backward(g)
-    assert torch.equal(kept, first) and A.grad.data_ptr() != kept.data_ptr()
+    assert torch.equal(kept.view_as(first), first) and A.grad.data_ptr() != kept.data_ptr()
     del kept
     buffer = A.grad.data_ptr()
     module.zero_grad(set_to_none=True)
     module(x, idx, w).backward(g)
     assert A.grad.data_ptr() == buffer and torch.equal(A.grad, first)
+
+
+def test_two_threads_backward_through_one_module_sum_their_grads(module):
+    # Both backwards find the LoRA grads None: each must not take the grad as its own (the later one's had
+    # replaced the other's).
+    cases = [inputs(SHAPE, seed=s) for s in (1, 2)]
+    alone = [run_engine(module, *c) for c in cases]
+    for _ in range(3):
+        module.zero_grad(set_to_none=True)
+        barrier = threading.Barrier(2)
+        errors = []
+
+        def train(x, idx, w, g):
+            try:
+                y = module(x, idx, w)
+                barrier.wait()
+                y.backward(g)
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=train, args=c) for c in cases]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        for name in ("gate", "up", "down"):
+            for lora, key in ((module.lora_A, "dA"), (module.lora_B, "dB")):
+                want = alone[0][f"{key}_{name}"] + alone[1][f"{key}_{name}"]
+                assert torch.allclose(lora["default"][name].grad, want, rtol=1e-5, atol=1e-6), f"{key}_{name}"
+
+
+def test_a_lora_matrix_with_other_strides_gets_its_grad_through_autograd(module):
+    x, idx, w, g = inputs(SHAPE)
+    plain = run_engine(module, x, idx, w, g)
+    A = module.lora_A["default"]["gate"]
+    A.data = A.data.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, column-major
+    assert not A.is_contiguous()
+    assert torch.allclose(run_engine(module, x, idx, w, g)["dA_gate"], plain["dA_gate"], rtol=1e-6, atol=1e-7)
+
+
+def test_configure_from_another_thread_waits_for_calls_in_flight(module):
+    # configure swaps the thread pool: a call running on the caller's thread (every CPU call) must not see the
+    # pool freed under it, nor the grad clipping's sum of squares, which runs outside the engine calls.
+    x, idx, w, g = inputs(SHAPE)
+    expected = run_engine(module, x, idx, w, g)
+    before = kt_sft.capabilities()["threads"]
+    stop, errors = threading.Event(), []
+
+    def reconfigure():
+        try:
+            for i in range(200):
+                if stop.is_set():
+                    break
+                kt_sft.configure(threads=1 + i % 2)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=reconfigure)
+    thread.start()
+    try:
+        for _ in range(40):
+            got = run_engine(module, x, idx, w, g)
+            assert torch.allclose(got["dA_up"], expected["dA_up"], rtol=1e-5, atol=1e-6)
+            assert _C.sum_squares([view(got["dx"])]) == pytest.approx(float(expected["dx"].double().square().sum()),
+                                                                     rel=1e-5)
+    finally:
+        stop.set()
+        thread.join()
+        kt_sft.configure(threads=before)
+    assert not errors
 
 
 def test_post_accumulate_grad_hooks_see_the_whole_grad(module):
