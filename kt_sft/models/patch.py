@@ -17,13 +17,19 @@ from .registry import MoEArchitecture, architecture_of
 def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     """Lets load_state_dict fill the fused BF16 weights of the model's CPU experts from per-expert keys, the layout
     save_pretrained writes (`…experts.{e}.gate_proj.weight`, Mixtral's `…block_sparse_moe.experts.{e}.w1…`).
-    The Trainer resumes a full fine-tune with load_state_dict(strict=False) of that file, which otherwise skipped
-    the experts with a warning and went on from their original weights (the stock fused model does the same).
-    The hook sits on the model itself: a child's load sees only the keys under its own (renamed) path. Other keys
-    the checkpoint names differently (Mixtral's router, `block_sparse_moe.gate`) take the module's names too."""
+    The Trainer resumes a full fine-tune with load_state_dict(strict=False) of that file, or of each file in turn
+    when the save was sharded (a layer's experts then span files), which otherwise skipped the experts with a
+    warning and went on from their original weights (the stock fused model does the same). Each per-expert
+    tensor a state dict holds is copied into its slice of the fused weight (in place, as the engine reads it),
+    and the fused weights it filled are not reported missing. The hook sits on the model itself: a child's load
+    sees only the keys under its own (renamed) path. Other keys the checkpoint names differently (Mixtral's
+    router, `block_sparse_moe.gate`) take the module's names too."""
     from ..peft.layer import KTExpertsLinear
 
+    filled = set()
+
     def hook(state_dict, prefix, *args):
+        filled.clear()
         for key in [k for k in state_dict if k.startswith(prefix)]:
             renamed = arch.module_key(key)
             if renamed != key and renamed not in state_dict and ".experts." not in key:
@@ -31,18 +37,32 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
         for name, module in model.named_modules(prefix=prefix.removesuffix(".")):
             if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:
                 continue
+            if name + ".gate_up_proj" in state_dict:
+                continue
             stored = name + "."
             for old, new in arch.key_renames:
                 stored = stored.replace(new, old)
-            names = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
-            if name + ".gate_up_proj" in state_dict or names[0].format(0) not in state_dict:
-                continue
-            E = module.gate_up_proj.shape[0]
-            state_dict[name + ".gate_up_proj"] = torch.stack([
-                torch.cat([state_dict.pop(names[0].format(e)), state_dict.pop(names[1].format(e))]) for e in range(E)])
-            state_dict[name + ".down_proj"] = torch.stack([state_dict.pop(names[2].format(e)) for e in range(E)])
+            keys = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
+            I = module.down_proj.shape[-1]
+            for e in range(module.gate_up_proj.shape[0]):
+                for key, fused, rows in zip(keys, (module.gate_up_proj, module.gate_up_proj, module.down_proj),
+                                            (slice(0, I), slice(I, 2 * I), slice(None))):
+                    value = state_dict.pop(key.format(e), None)
+                    if value is None:
+                        continue
+                    target = fused[e, rows]
+                    if value.shape != target.shape:
+                        raise ValueError(f"{key.format(e)} has shape {tuple(value.shape)} but this model's expert "
+                                         f"takes {tuple(target.shape)}; the checkpoint is of another model.")
+                    with torch.no_grad():
+                        target.copy_(value)
+                    filled.update((name + ".gate_up_proj", name + ".down_proj"))
+
+    def not_missing(module, incompatible):
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in filled]
 
     model._register_load_state_dict_pre_hook(hook)
+    model.register_load_state_dict_post_hook(not_missing)
 
 
 def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:

@@ -36,10 +36,12 @@ def test_full_mode_gradients_match_stock_model():
     assert checked == 4  # gate_up_proj and down_proj of both MoE layers
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral saves experts as block_sparse_moe w1/w3/w2
-def test_full_fine_tune_resumes_with_its_trained_experts(model_type, tmp_path):
-    # The Trainer resumes with load_state_dict(strict=False) of what save_pretrained wrote (experts per expert): the
-    # trained expert weights must come back, not stay at the fresh model's.
+def test_full_fine_tune_resumes_with_its_trained_experts(model_type, sharded, tmp_path):
+    # The Trainer resumes with load_state_dict(strict=False) of what save_pretrained wrote (experts per expert), of
+    # each file in turn when the save was sharded (a real MoE's is: 50 GB files), where a layer's experts span
+    # files: the trained expert weights must come back, not stay at the fresh model's.
     model = tiny_model(model_type).train()
     use_cpu_experts(model)
     model.requires_grad_(True)
@@ -47,17 +49,22 @@ def test_full_fine_tune_resumes_with_its_trained_experts(model_type, tmp_path):
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, max_shard_size="40KB" if sharded else "50GB")
     fresh = tiny_model(model_type)
     use_cpu_experts(fresh)
-    result = fresh.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
-    assert not result.missing_keys and not result.unexpected_keys
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert (len(files) > 2) == sharded
+    missing = None
+    for file in files:
+        result = fresh.load_state_dict(load_file(str(file)), strict=False)
+        assert not result.unexpected_keys
+        missing = set(result.missing_keys) if missing is None else missing & set(result.missing_keys)
+    assert not missing
     trained = dict(model.named_parameters())
     experts = [n for n, _ in fresh.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))]
     assert len(experts) == 4
     for name, p in fresh.named_parameters():
-        if name in experts:
-            assert torch.equal(p, trained[name]), name
+        assert torch.equal(p, trained[name]), name
 
 
 def test_full_fine_tune_with_a_float32_master_follows_the_stock_model():
