@@ -187,6 +187,19 @@ def beyond_the_layers(key: str, config) -> bool:
     return m is not None and int(m[1]) >= config.num_hidden_layers
 
 
+def kept_in_float32(model, dtype: torch.dtype):
+    """Whether transformers' from_pretrained keeps a weight of this name in float32 when loading the model in dtype
+    (_keep_in_fp32_modules_strict under BF16 and FP16, _keep_in_fp32_modules under FP16); from_config, which builds
+    our model, does not."""
+    patterns = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    found = re.compile("|".join(rf"(^|\.){re.escape(p)}(\.|$)" for p in sorted(patterns))) if patterns else None
+    return lambda name: found is not None and found.search(name) is not None
+
+
 def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, train_base: bool = True,
                       expert_format: str | None = None, checkpoint_prefix: str = ""):
     """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
@@ -205,15 +218,17 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     experts = experts_modules(model, arch)
     expert_prefixes = tuple(arch.checkpoint_experts.split("{expert}")[0].format(layer=layer) for _, layer, _ in experts)
 
-    # Each tensor takes the dtype its parameter or buffer has in the model (routing biases stay float32).
+    # Each tensor takes the dtype its parameter or buffer has in the model, or float32 where from_pretrained keeps
+    # it so (DeepSeek-V3's routing bias: in BF16 it had routed 1-3% of tokens to other experts).
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    float32 = kept_in_float32(model, dtype)
     state = {}
     for key in ckpt.keys():
         if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES) or beyond_the_layers(key, config):
             continue
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
-        state[name] = t.to(targets[name].dtype) if name in targets else t
+        state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype) if name in targets else t
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise ValueError(f"checkpoint keys {result.unexpected_keys[:3]} match no parameter of the "
