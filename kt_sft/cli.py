@@ -158,6 +158,10 @@ def main(argv=None) -> int:
         return run(argv)
     except (ValueError, OSError) as e:
         print(f"kt-sft: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("kt-sft: interrupted; an output it had begun is incomplete (a merge removes its own): delete it and run "
+              "the command again.", file=sys.stderr)
+        return 130
     return 2
 
 

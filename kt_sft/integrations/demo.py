@@ -70,10 +70,11 @@ def yaml_text(d: dict) -> str:
 
 
 def write_demo(root: str | Path) -> Path:
-    from .export import resolved
+    from .export import require_new_dir, resolved
     from .prepare import prepare
 
     root = resolved(root)
+    require_new_dir(root, "the demo (it writes a model, data and configs there)")
     model_dir, data_dir, prepared = root / "model", root / "data", root / "prepared"
     write_model(model_dir, write_tokenizer(model_dir))
     write_data(data_dir)

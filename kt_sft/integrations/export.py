@@ -44,6 +44,9 @@ def adapter_config(adapter_dir: Path) -> dict:
     positive integer rank and a finite alpha; rank_pattern / alpha_pattern given as null read as empty."""
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
         if not (adapter_dir / name).exists():
+            if name == ADAPTER_WEIGHTS and (adapter_dir / "adapter_model.bin").exists():
+                raise FileNotFoundError(f"{adapter_dir} holds adapter_model.bin, a pickle that kt-sft does not read; "
+                                        "save the adapter again with safe_serialization=True (PEFT's default).")
             raise FileNotFoundError(f"{adapter_dir} has no {name}; point at a saved PEFT adapter (the training run's "
                                     "output_dir or one of its checkpoints).")
     path = adapter_dir / ADAPTER_CONFIG
@@ -69,6 +72,9 @@ def read_config(model_dir: Path) -> dict:
 
 def text_config(config: dict, config_dir: Path) -> dict:
     """A config.json's text model: the config itself, or a composite's (Kimi-K2.5) text_config."""
+    if not isinstance(config.get("model_type"), str):
+        raise ValueError(f"{config_dir}/config.json gives model_type = {config.get('model_type')!r}; it must be a "
+                         "name such as \"qwen3_moe\": the file was edited or is not a model's.")
     if composite_prefix(config.get("model_type")) is None:
         return config
     if not isinstance(config.get("text_config"), dict):
@@ -103,21 +109,34 @@ def text_model_type(config: dict, config_dir: Path) -> str:
 def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
     """The config.json of the model the adapter was trained on: model_dir's, else the adapter's
     base_model_name_or_path's (never the current directory's when that is empty)."""
-    base = model_dir or config.get("base_model_name_or_path")
+    recorded = recorded_base(config)
+    base = model_dir or recorded
     if not base or not (Path(base) / "config.json").exists():
         looked = f" (looked in '{base}')" if base else " (its base_model_name_or_path is empty)"
         raise FileNotFoundError(f"cannot find the config.json of the model {adapter_dir} was trained on{looked}; pass "
                                 "the model directory with --model.")
     model = read_config(Path(base))
-    recorded = config.get("base_model_name_or_path")
-    if model_dir and recorded and (Path(recorded) / "config.json").is_file():
-        # Same shapes, another architecture: its per-expert names would be written without a word.
-        trained = text_model_type(read_config(Path(recorded)), Path(recorded))
-        given = text_model_type(model, Path(base))
-        if trained != given:
-            raise ValueError(f"{adapter_dir} was trained on {recorded}, a {trained} model, but --model {model_dir} is "
-                             f"a {given} model; export it with the model it was trained on.")
+    if model_dir:
+        check_trained_on(adapter_dir, config, text_model_type(model, Path(base)), f"--model {model_dir}", "export")
     return model
+
+
+def recorded_base(config: dict) -> str | None:
+    """The adapter's base_model_name_or_path, where it names a path."""
+    recorded = config.get("base_model_name_or_path")
+    return recorded if isinstance(recorded, str) and recorded else None
+
+
+def check_trained_on(adapter_dir: Path, config: dict, model_type: str, given: str, command: str) -> None:
+    """Refuses a model of another architecture than the one the adapter records as its base, where that base is at
+    hand: with the same shapes its LoRA would be written under the other architecture's names without a word."""
+    recorded = recorded_base(config)
+    if recorded is None or not (Path(recorded) / "config.json").is_file():
+        return
+    trained = text_model_type(read_config(Path(recorded)), Path(recorded))
+    if trained != model_type:
+        raise ValueError(f"{adapter_dir} was trained on {recorded}, a {trained} model, but {given} is a {model_type} "
+                         f"model; {command} it with the model it was trained on.")
 
 
 def check_stacked(m: re.Match, t, model: dict, r: int) -> None:

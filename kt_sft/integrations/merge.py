@@ -34,8 +34,8 @@ from ..loader.checkpoint import Checkpoint, open_safetensors, write_safetensors
 from ..loader.quantization import checkpoint_format, quantization_config_of, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, read_config, require_new_dir,
-                     resolved, text_config)
+from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, read_config,
+                     require_new_dir, resolved, text_config)
 from .modeling import SETTINGS_KEY
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
@@ -87,9 +87,10 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
     return source, prefix, {**text, "model_type": canonical_model_type(text.get("model_type"))}
 
 
-def adapter_updates(adapter_dir: Path, model: dict, prefix: str) -> dict[str, tuple]:
+def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path) -> dict[str, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
-    kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts)."""
+    kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts, and the
+    model, as given in model_dir, against the architecture the adapter was trained on)."""
     config = adapter_config(adapter_dir)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"{adapter_dir} is a {'DoRA' if config.get('use_dora') else config.get('peft_type')} adapter; "
@@ -97,6 +98,7 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str) -> dict[str, tu
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("fan_in_fan_out"):
         raise ValueError("adapters with rank_pattern, alpha_pattern or fan_in_fan_out are not supported by kt-sft "
                          "merge; merge one trained with a single rank and alpha.")
+    check_trained_on(adapter_dir, config, model["model_type"], str(model_dir), "merge")
     scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
     arch = architecture_of(SimpleNamespace(model_type=model["model_type"]))
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -178,6 +180,22 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
     return out
 
 
+def shard_contents(ckpt: Checkpoint) -> dict[str, list[str]]:
+    """Each shard's own tensor names (a tensor its index omits is copied too), after checking that every shard
+    opens and holds what the index puts in it: before anything is written, not hours into a merge."""
+    listed: dict[str, set[str]] = {}
+    for key, shard in ckpt.shard_of.items():
+        listed.setdefault(shard, set()).add(key)
+    contents = {}
+    for shard, keys in listed.items():
+        with open_safetensors(ckpt.dir / shard) as f:
+            contents[shard] = list(f.keys())
+        absent = keys.difference(contents[shard])
+        if absent:
+            raise ckpt.not_in_shard(min(absent))
+    return contents
+
+
 def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path,
                   progress: Callable[[int, int, str], None] | None = None) -> MergeReport:
     """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
@@ -188,8 +206,9 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     require_new_dir(out_dir, "the merged model")
     if out_dir == resolved(source):
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
-    updates = adapter_updates(Path(adapter_dir), model, prefix)
+    updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir))
     ckpt = Checkpoint(source)
+    shards = shard_contents(ckpt)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}
     # Stored key -> the merged weight it belongs to.
     owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
@@ -200,9 +219,6 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     tmp.mkdir(parents=True)
     try:
         pending: dict[str, dict[str, torch.Tensor]] = {}  # merged weights whose stored keys are not all written yet
-        shards: dict[str, list[str]] = {}
-        for key, shard in ckpt.shard_of.items():
-            shards.setdefault(shard, []).append(key)
         for n, (shard, keys) in enumerate(shards.items()):
             tensors = {}
             with open_safetensors(source / shard) as f:

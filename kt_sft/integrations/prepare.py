@@ -86,8 +86,9 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
                          "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
                          "checkpoint_prefix": prefix or ""}
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out / SHIM).write_text(SHIM_TEXT)
     for f in linked:
         (out / f.name).symlink_to(f)
+    # Last: a prepare cut short leaves no config.json of its own, so nothing loads the half-made directory.
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out

@@ -86,7 +86,7 @@ class Checkpoint:
             raise ValueError(f"the checkpoint {self.dir} has no tensor {self.prefix + key}; it is incomplete or not the "
                              "one its config.json describes: download it again.") from None
 
-    def _not_in_shard(self, key: str) -> ValueError:
+    def not_in_shard(self, key: str) -> ValueError:
         return ValueError(f"{self.dir}'s index puts {self.prefix + key} in {self.shard_of[key]}, which does not hold "
                           "it; the index is stale or the shard incomplete: download the checkpoint again.")
 
@@ -101,17 +101,18 @@ class Checkpoint:
         try:
             return tuple(handle.get_slice(self.prefix + key).get_shape())
         except SafetensorError:
-            raise self._not_in_shard(key) from None
+            raise self.not_in_shard(key) from None
 
     def get(self, key: str) -> torch.Tensor:
         handle = self._open(key)
         try:
             return handle.get_tensor(self.prefix + key)
         except SafetensorError:
-            raise self._not_in_shard(key) from None
+            raise self.not_in_shard(key) from None
 
     def _entry(self, key: str):
         """(shard path, absolute byte offset, dtype string, shape) of a tensor, from its shard's header."""
+        self._open(key)  # safe_open first: a damaged shard is named as such, not parsed below
         shard = self.dir / self._shard(key)
         if not hasattr(self, "_headers"):
             self._headers = {}
@@ -122,7 +123,7 @@ class Checkpoint:
         base, header = self._headers[shard]
         meta = header.get(self.prefix + key)
         if meta is None:
-            raise self._not_in_shard(key)
+            raise self.not_in_shard(key)
         return shard, base + meta["data_offsets"][0], meta["dtype"], tuple(meta["shape"])
 
     def dtype(self, key: str) -> str:

@@ -324,15 +324,90 @@ def test_a_failed_write_is_named(adapter, tmp_path, monkeypatch, command):
         run([command, *args, str(tmp_path / "out2"), *extra])
 
 
-def test_export_refuses_a_model_of_another_architecture_than_the_adapters(adapter, tmp_path):
-    # With matching shapes, the adapter's experts were written under the other architecture's per-expert names.
+@pytest.mark.parametrize("command", ["export", "merge"])
+def test_a_model_of_another_architecture_than_the_adapters_is_refused(adapter, tmp_path, command):
+    # With matching shapes, the adapter's LoRA was written under the other architecture's names.
     model_dir, adapter_dir = adapter
     other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, base_model_name_or_path=str(model_dir)))
-    assert run(["export", str(other), str(tmp_path / "same"), "--model", str(model_dir)]) == 0
     mixtral = tmp_path / "mixtral"
     shutil.copytree(model_dir, mixtral)
     config = json.loads((mixtral / "config.json").read_text())
     (mixtral / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
-    with pytest.raises(ValueError, match=r"a qwen3_moe model, but --model .*mixtral is a mixtral model; export it"):
-        run(["export", str(other), str(tmp_path / "out"), "--model", str(mixtral)])
+    if command == "export":
+        assert run(["export", str(other), str(tmp_path / "same"), "--model", str(model_dir)]) == 0
+        args, given = [str(other), str(tmp_path / "out"), "--model", str(mixtral)], "--model .*mixtral"
+    else:
+        args, given = [str(mixtral), str(other), str(tmp_path / "out")], ".*mixtral"
+    with pytest.raises(ValueError, match=rf"a qwen3_moe model, but {given} is a mixtral model; {command} it"):
+        run([command, *args])
     assert not (tmp_path / "out").exists()
+
+
+def test_merge_checks_every_shard_against_its_index_before_writing(adapter, tmp_path):
+    # A tensor the index puts in a shard that lacks it had surfaced as safetensors' traceback mid-merge; a tensor a
+    # shard holds but the index omits is copied like the others.
+    model_dir, adapter_dir = adapter
+    other = indexed_copy(model_dir, tmp_path, "model-00001-of-00001.safetensors")
+    state = load_file(other / "model-00001-of-00001.safetensors")
+    save_file({**state, "extra.weight": torch.ones(2)}, other / "model-00001-of-00001.safetensors",
+              metadata={"format": "pt"})
+    assert run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")]) == 0
+    assert torch.equal(load_file(tmp_path / "out" / "model-00001-of-00001.safetensors")["extra.weight"], torch.ones(2))
+    index = json.loads((other / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.bias"] = "model-00001-of-00001.safetensors"
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="index puts model.norm.bias in model-00001-of-00001.safetensors, which does "
+                                         "not hold it"):
+        run(["merge", str(other), str(adapter_dir), str(tmp_path / "out2")])
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("size", [2, 100])
+def test_merge_names_a_shard_cut_short(adapter, tmp_path, size):
+    # Indexed: the merge reads the shard's header itself (for the dtypes), where a cut one had raised struct.error.
+    model_dir, adapter_dir = adapter
+    other = indexed_copy(model_dir, tmp_path, "model-00001-of-00001.safetensors")
+    shard = other / "model-00001-of-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:size])
+    with pytest.raises(ValueError, match="model-00001-of-00001.safetensors is not a readable safetensors file"):
+        run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
+
+
+def test_demo_never_writes_into_a_directory_that_holds_something(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="exists and is not empty; choose a new directory for the demo"):
+        run(["demo", str(tmp_path)])
+    assert [p.name for p in tmp_path.rglob("*")] == ["model", "config.json"]
+
+
+def test_an_adapter_saved_as_a_pickle_is_named(adapter, tmp_path):
+    model_dir, adapter_dir = adapter
+    other = tmp_path / "pickled"
+    shutil.copytree(adapter_dir, other)
+    (other / "adapter_model.safetensors").rename(other / "adapter_model.bin")
+    with pytest.raises(FileNotFoundError, match="holds adapter_model.bin, a pickle .* safe_serialization=True"):
+        run(["merge", str(model_dir), str(other), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("model_type", [["qwen3_moe"], None])
+@pytest.mark.parametrize("command", ["export", "merge"])
+def test_a_model_type_that_is_not_a_name_is_named(adapter, tmp_path, model_type, command):
+    model_dir, adapter_dir = adapter
+    other = edited_model(model_dir, tmp_path, model_type=model_type)
+    args = ([str(adapter_dir), str(tmp_path / "out"), "--model", str(other)] if command == "export"
+            else [str(other), str(adapter_dir), str(tmp_path / "out")])
+    with pytest.raises(ValueError, match=r"config.json gives model_type = .*; it must be a name such as"):
+        run([command, *args])
+
+
+def test_an_interrupted_command_says_so_without_a_traceback(adapter, tmp_path, monkeypatch, capsys):
+    import kt_sft.integrations.merge as merge
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(merge, "write_safetensors", interrupt)
+    model_dir, adapter_dir = adapter
+    assert main(["merge", str(model_dir), str(adapter_dir), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.startswith("kt-sft: interrupted;")
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.merging").exists()
