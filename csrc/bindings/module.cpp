@@ -181,25 +181,41 @@ PYBIND11_MODULE(_C, m) {
   m.def("capabilities", [] {
     CpuFeatures f = cpu_features();
     Runtime& rt = Runtime::get();
-    auto settings = rt.settings_lock();
+    // The settings are read under their lock with the GIL released, and the dict built after: building Python
+    // objects can run the GC's finalizers, which may hand the GIL to a thread that then waits on this lock.
+    const KernelSet* ks = nullptr;
+    int fwd_bf16 = 0, fwd_fp8 = 0, fwd_int4 = 0, bwd = 0, tile_min_rows = 0, threads = 0;
+    bool pinned = false;
+    size_t scratch_bytes = 0;
+    {
+      py::gil_scoped_release nogil;
+      auto settings = rt.settings_lock();
+      try {
+        ks = &rt.kernels();
+      } catch (const std::exception&) {
+      }
+      if (ks && ks->tiles) {
+        fwd_bf16 = rt.forward_tile_rows(Format::bf16);
+        fwd_fp8 = rt.forward_tile_rows(Format::fp8_block128);
+        fwd_int4 = rt.forward_tile_rows(Format::int4_group32);
+        bwd = rt.backward_tile_rows();
+      }
+      tile_min_rows = rt.tile_min_rows();
+      threads = rt.threads();
+      pinned = rt.pool().pinned();
+      scratch_bytes = rt.scratch().bytes();
+    }
     py::dict d;
     d["cpu"] = py::dict(py::arg("avx2_fma") = f.avx2_fma, py::arg("avx512") = f.avx512,
                         py::arg("avx512_bf16") = f.avx512_bf16, py::arg("amx_bf16") = f.amx_bf16);
     d["runnable_kernels"] = runnable_kernel_sets();
-    const KernelSet* ks = nullptr;
-    try {
-      ks = &rt.kernels();
-    } catch (const std::exception&) {
-    }
     d["kernels"] = ks ? py::object(py::str(ks->name)) : py::object(py::none());
     std::string tiles = tiles_status();  // empty: the AMX tile unit is granted
     if (ks && ks->tiles) {
       const std::string use =
           "used for BF16 activations of experts with at least so many rows in a call (forward: BF16 weights " +
-          std::to_string(rt.forward_tile_rows(Format::bf16)) + ", FP8 " +
-          std::to_string(rt.forward_tile_rows(Format::fp8_block128)) + ", INT4 " +
-          std::to_string(rt.forward_tile_rows(Format::int4_group32)) +
-          "; backward: " + std::to_string(rt.backward_tile_rows()) + ")";
+          std::to_string(fwd_bf16) + ", FP8 " + std::to_string(fwd_fp8) + ", INT4 " + std::to_string(fwd_int4) +
+          "; backward: " + std::to_string(bwd) + ")";
       const std::string why_no_amx = tiles.empty() ? "" : "; " + tiles;
       tiles = ks->tiles->emulated
                   ? "the tile unit's operations on AVX-512 BF16 instructions (kernel set " + std::string(ks->name) +
@@ -210,10 +226,10 @@ PYBIND11_MODULE(_C, m) {
     }
     d["tiles"] = tiles;
     d["tiles_in_use"] = ks && ks->tiles;  // the kernel set has tile products (BF16 activations take them)
-    d["tile_min_rows"] = rt.tile_min_rows();
-    d["threads"] = rt.threads();
-    d["pinned"] = rt.pool().pinned();
-    d["scratch_bytes"] = rt.scratch().bytes();
+    d["tile_min_rows"] = tile_min_rows;
+    d["threads"] = threads;
+    d["pinned"] = pinned;
+    d["scratch_bytes"] = scratch_bytes;
     return d;
   });
   m.def("sum_squares", [](const py::list& tensors) {

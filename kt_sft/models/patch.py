@@ -26,10 +26,12 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     router, `block_sparse_moe.gate`) take the module's names too."""
     from ..peft.layer import KTExpertsLinear
 
-    filled = set()
+    filled: dict[str, list[int]] = {}  # fused key -> [slices this load filled, slices it has]
+    strict_load = [False]
 
-    def hook(state_dict, prefix, *args):
+    def hook(state_dict, prefix, local_metadata, strict, *args):
         filled.clear()
+        strict_load[0] = strict
         for key in [k for k in state_dict if k.startswith(prefix)]:
             renamed = arch.module_key(key)
             if renamed != key and renamed not in state_dict and ".experts." not in key:
@@ -56,10 +58,15 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
                                          f"takes {tuple(target.shape)}; the checkpoint is of another model.")
                     with torch.no_grad():
                         target.copy_(value)
-                    filled.update((name + ".gate_up_proj", name + ".down_proj"))
+                    fused_key = name + (".down_proj" if fused is module.down_proj else ".gate_up_proj")
+                    count = filled.setdefault(fused_key, [0, (1 if fused is module.down_proj else 2) * fused.shape[0]])
+                    count[0] += 1
 
     def not_missing(module, incompatible):
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in filled]
+        # A fused weight this load filled is not missing; under strict=True only when it filled every expert's
+        # slices (a sharded save is loaded file by file with strict=False, each file holding some of them).
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                        if k not in filled or strict_load[0] and filled[k][0] < filled[k][1]]
 
     model._register_load_state_dict_pre_hook(hook)
     model.register_load_state_dict_post_hook(not_missing)

@@ -51,7 +51,9 @@ _UNSHARED_USES = _uses(torch.empty(1)) if _storage_uses else None
 
 
 def _memory_shared(t: torch.Tensor) -> bool:
-    """Whether another tensor (a view, .detach(), .data) shares t's memory; True where torch cannot tell."""
+    """Whether another tensor (a view, .detach(), .data) shares t's memory. True where torch cannot tell (CPU-only
+    builds before 2.8 lack the count; CUDA builds have it): a fresh grad buffer every step there, slower but never
+    written over a grad someone kept."""
     return _storage_uses is None or _uses(t) != _UNSHARED_USES
 
 
@@ -457,18 +459,20 @@ class KTExperts(LoadsInPlace, nn.Module):
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
         machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
         (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
-        then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad); until then a
+        then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad). Until then a
         second backward through this module (another thread's, or this module's other call in one graph when
-        autograd interleaves them) returns its grad to autograd rather than take the same or a second buffer."""
+        autograd interleaves them) writes into a new buffer of its own, which its hand-over adds in under the
+        lock (returned to autograd, its accumulation would run outside the lock, beside the first hand-over);
+        on a GPU it goes through autograd (the pinned buffer is the first call's)."""
         if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda") or not param.is_contiguous():
             return None, False
         with _grads_lock:
             in_flight = self.__dict__.setdefault("_lora_grads_in_flight", {})
             holder = in_flight.get(id(param))
             if holder is not None and holder() is not None:
-                return None, False
+                return (torch.empty_like(param), False) if param.device.type == "cpu" else (None, False)
             target, adds = self._lora_grad_target(param)
-            if target is not None and not adds:  # grads added into param.grad serialize on the engine instead
+            if target is not None and not adds:  # grads added into param.grad serialize under the lock instead
                 in_flight[id(param)] = weakref.ref(call)  # dies with a backward that raised before handing over
             return target, adds
 
@@ -489,17 +493,33 @@ class KTExperts(LoadsInPlace, nn.Module):
             buf = buffers[id(param)] = torch.empty_like(param)
         return buf, False
 
-    def hand_lora_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        """Makes grad, written by the engine where lora_grad_into said, param's gradient (added into the grad that
-        another backward's autograd gave it meanwhile, if any)."""
+    def hand_lora_grad(self, param: nn.Parameter, grad: torch.Tensor, call: object) -> None:
+        """Makes grad, written by the engine where lora_grad_into said for `call`, param's gradient (added into the
+        grad that another backward gave it meanwhile, if any)."""
         with _grads_lock:
-            self.__dict__.get("_lora_grads_in_flight", {}).pop(id(param), None)
+            in_flight = self.__dict__.get("_lora_grads_in_flight", {})
+            holder = in_flight.get(id(param))
+            if holder is not None and holder() in (call, None):
+                del in_flight[id(param)]
             if param.device.type == "cuda":
                 self._gpu_lora.hand_grad(param, grad)
             elif param.grad is None or param.grad is grad:
                 param.grad = grad  # the reused buffer, or the grad the engine added into
             else:
                 param.grad.add_(grad)
+
+    def drop_lora_grads(self, call: object) -> None:
+        """Forgets the grads `call` had on their way (its backward raised): later backwards write into their
+        buffers again rather than each into one of its own while the failed graph is kept (a stored exception)."""
+        with _grads_lock:
+            in_flight = self.__dict__.get("_lora_grads_in_flight", {})
+            for key in [k for k, holder in in_flight.items() if holder() in (call, None)]:
+                del in_flight[key]
+
+    @staticmethod
+    def grads_lock() -> threading.Lock:
+        """Held while grads are handed over (hand_lora_grad), and while the engine adds into a param.grad."""
+        return _grads_lock
 
     def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:
         """This forward's first pass, kept without grad (kt_sft/ops/kept_forward.py), if it matches; either way

@@ -12,6 +12,7 @@ torch.autograd.grad() both are returned, and backward(inputs=...) computes none 
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import NamedTuple
 
@@ -204,11 +205,15 @@ class StartEngine(torch.autograd.Function):
         dx, dw, lora_grads, direct, base = call.grads
         work, call.backward_work = call.backward_work, None
         try:
-            if work is not None:
-                with uncounted():  # within the engine's span, which its wait adds
-                    work()
-        finally:  # work that raised leaves no engine call running behind the error
-            call.running.wait()
+            try:
+                if work is not None:
+                    with uncounted():  # within the engine's span, which its wait adds
+                        work()
+            finally:  # work that raised leaves no engine call running behind the error
+                call.running.wait()
+        except BaseException:
+            call.module.drop_lora_grads(call)
+            raise
         call.running = call.grads = call.saved = None
         (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
         # dx and dw first: the next GPU work waits for them, and a LoRA on the GPU queues its grads' larger copies
@@ -216,7 +221,7 @@ class StartEngine(torch.autograd.Function):
         dx, dw = to_caller(dx, dev, dt), to_caller(dw, wdev, wdt)
         for p, g, d in zip(call.lora_params, lora_grads, direct):
             if d:
-                call.module.hand_lora_grad(p, g)
+                call.module.hand_lora_grad(p, g, call)
         out_lora = [None if g is None or d else g.to(device=p.device, dtype=p.dtype)
                     for p, g, d in zip(call.lora_params, lora_grads, direct)]
         return (None, dx, None, dw, *base, *out_lora)
@@ -252,53 +257,67 @@ class EngineResult(torch.autograd.Function):
                                "and its backward (an optimizer step or a LoRA merge before backward), so the backward "
                                "would mix the forward's activations with other weights; call backward before "
                                "changing them, or run the forward again after.")
-        dev, _ = call.x_meta
-        wdev, _, wshape = call.w_meta
-        dx = host_empty(xc.shape, xc.dtype, dev)
-        dw = host_empty(wshape, torch.float32, wdev)
-        need = call.needs
-        # Straight into param.grad where backward() puts it and may (direct: overwriting a reused buffer, or adding
-        # into the grad of an earlier micro-batch), else written into new tensors for autograd.
-        # Returned to autograd instead: the grads of a parameter given for two projections (tied), for autograd to
-        # sum (the buffer lora_grad_into keeps per parameter would take only the second), and of one with hooks:
-        # tensor hooks (register_hook) see and may change the grad before it is accumulated, and post-accumulate
-        # hooks then run after it on the compute stream (a LoRA on the GPU gets its direct grad on a side stream,
-        # which the compute stream waits for only at the backward's end).
-        lora_grads, direct, accumulate = [], [], []
-        ids = [id(p) for p in call.lora_params if p is not None]
-        for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
-            where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
-            if where == INTO_GRAD and (ids.count(id(p)) > 1 or p._backward_hooks or p._post_accumulate_grad_hooks):
-                where = TO_CALLER
-            target, adds = module.lora_grad_into(p, call) if where == INTO_GRAD else (None, False)
-            direct.append(target is not None)
-            accumulate.append(adds)
-            lora_grads.append(target if target is not None else None if where == NOWHERE else torch.empty_like(p32))
-        # Base weights (full mode): added by the engine into param.grad, or into zeros returned to the caller.
-        base, base_out = [], []
-        for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
-            where = grad_destination(param) if wanted else NOWHERE
-            target = (module.base_grad(param) if where == INTO_GRAD else torch.zeros_like(param) if where == TO_CALLER
-                      else None)
-            base.append(target)
-            base_out.append(target if where == TO_CALLER else None)
-        d_gate_up, d_down = base
-        with engine_timer("transfer"):
-            dout = to_engine(grad_out, xc.dtype)
-        r, scale, dropout = call.lora
-        # Concurrent only where the engine writes nothing the caller holds until StartEngine hands it over: grads
-        # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
-        # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
-        concurrent = runs_beside(dev) and not any(accumulate) and d_gate_up is None and d_down is None
-        work = _beside_backward() if concurrent and _beside_backward is not None else None
-        concurrent = concurrent and (call.concurrent or work is not None)
-        t0 = time.perf_counter()
+        try:
+            start_backward(call, xc, grad_out)
+        except BaseException:
+            module.drop_lora_grads(call)
+            raise
+        return None, grad_out.new_empty(0)
+
+
+def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """Starts the engine's backward of `call` (StartEngine.backward waits for it and hands its grads over)."""
+    module = call.module
+    dev, _ = call.x_meta
+    wdev, _, wshape = call.w_meta
+    dx = host_empty(xc.shape, xc.dtype, dev)
+    dw = host_empty(wshape, torch.float32, wdev)
+    need = call.needs
+    # Straight into param.grad where backward() puts it and may (direct: overwriting a reused buffer, or adding
+    # into the grad of an earlier micro-batch), else written into new tensors for autograd.
+    # Returned to autograd instead: the grads of a parameter given for two projections (tied), for autograd to
+    # sum (the buffer lora_grad_into keeps per parameter would take only the second), and of one with hooks:
+    # tensor hooks (register_hook) see and may change the grad before it is accumulated, and post-accumulate
+    # hooks then run after it on the compute stream (a LoRA on the GPU gets its direct grad on a side stream,
+    # which the compute stream waits for only at the backward's end).
+    lora_grads, direct, accumulate = [], [], []
+    ids = [id(p) for p in call.lora_params if p is not None]
+    for i, (p, p32) in enumerate(zip(call.lora_params, call.lora32)):
+        where = grad_destination(p) if p is not None and need[N_FIXED_INPUTS + i] else NOWHERE
+        if where == INTO_GRAD and (ids.count(id(p)) > 1 or p._backward_hooks or p._post_accumulate_grad_hooks):
+            where = TO_CALLER
+        target, adds = module.lora_grad_into(p, call) if where == INTO_GRAD else (None, False)
+        direct.append(target is not None)
+        accumulate.append(adds)
+        lora_grads.append(target if target is not None else None if where == NOWHERE else torch.empty_like(p32))
+    # Base weights (full mode): added by the engine into param.grad, or into zeros returned to the caller.
+    base, base_out = [], []
+    for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
+        where = grad_destination(param) if wanted else NOWHERE
+        target = (module.base_grad(param) if where == INTO_GRAD else torch.zeros_like(param) if where == TO_CALLER
+                  else None)
+        base.append(target)
+        base_out.append(target if where == TO_CALLER else None)
+    d_gate_up, d_down = base
+    with engine_timer("transfer"):
+        dout = to_engine(grad_out, xc.dtype)
+    r, scale, dropout = call.lora
+    # Concurrent only where the engine writes nothing the caller holds until StartEngine hands it over: grads
+    # added into a param.grad (accumulation, base weights) would still be changing if a node in between raised
+    # and the caller went on (a zero_grad that keeps the tensors, a retried batch).
+    concurrent = runs_beside(dev) and not any(accumulate) and d_gate_up is None and d_down is None
+    work = _beside_backward() if concurrent and _beside_backward is not None else None
+    concurrent = concurrent and (call.concurrent or work is not None)
+    copy = module.backward_copy(xc.dtype)
+    t0 = time.perf_counter()
+    # Adding into a param.grad, the call runs now (not concurrent) under the lock that hands grads over, so
+    # that another thread's hand-over into the same grad waits for it.
+    with module.grads_lock() if any(accumulate) else contextlib.nullcontext():
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
-            now=not concurrent, lora_accumulate=accumulate, backward_copy=module.backward_copy(xc.dtype),
+            now=not concurrent, lora_accumulate=accumulate, backward_copy=copy,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
-        call.running = Running(pending, "backward", t0)
-        call.backward_work = work
-        call.grads = dx, dw, lora_grads, direct, base_out
-        return None, grad_out.new_empty(0)
+    call.running = Running(pending, "backward", t0)
+    call.backward_work = work
+    call.grads = dx, dw, lora_grads, direct, base_out

@@ -67,6 +67,22 @@ def test_full_fine_tune_resumes_with_its_trained_experts(model_type, sharded, tm
         assert torch.equal(p, trained[name]), name
 
 
+@pytest.mark.parametrize("drop", ["one_expert", "every_down"])
+def test_a_strict_load_missing_some_per_expert_weights_is_refused(drop, tmp_path):
+    # Per-expert keys fill the fused weights slice by slice: a strict load that fills only some of them must still
+    # report the fused weight missing, not leave the rest at the model's old values without a word.
+    model = tiny_model("qwen3_moe")
+    use_cpu_experts(model)
+    model.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    gone = ".experts.7." if drop == "one_expert" else "down_proj"
+    state = {k: v for k, v in state.items() if not (".layers.0." in k and ".experts." in k and gone in k)}
+    fresh = tiny_model("qwen3_moe", seed=1)
+    use_cpu_experts(fresh)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*layers\.0\.mlp\.experts\."):
+        fresh.load_state_dict(state, strict=True)
+
+
 def test_full_fine_tune_with_a_float32_master_follows_the_stock_model():
     # LLaMA-Factory upcasts trainable parameters (`p.data = p.data.float()`): the experts then train a float32
     # master as the stock float32 model's experts do. At lr 1e-5 every AdamW step (~1e-5 per weight) is far below
