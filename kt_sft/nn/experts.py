@@ -461,16 +461,16 @@ class KTExperts(LoadsInPlace, nn.Module):
         (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
         then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad). Until then a
         second backward through this module (another thread's, or this module's other call in one graph when
-        autograd interleaves them) writes into a new buffer of its own, which its hand-over adds in under the
-        lock (returned to autograd, its accumulation would run outside the lock, beside the first hand-over);
-        on a GPU it goes through autograd (the pinned buffer is the first call's)."""
+        autograd interleaves them) writes into a new buffer of its own (pinned for a GPU matrix), which its
+        hand-over adds in under the lock (returned to autograd, its accumulation would run outside the lock and,
+        on a GPU, on another stream than the first hand-over's upload)."""
         if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda") or not param.is_contiguous():
             return None, False
         with _grads_lock:
             in_flight = self.__dict__.setdefault("_lora_grads_in_flight", {})
             holder = in_flight.get(id(param))
             if holder is not None and holder() is not None:
-                return (torch.empty_like(param), False) if param.device.type == "cpu" else (None, False)
+                return torch.empty(param.shape, dtype=torch.float32, pin_memory=param.device.type == "cuda"), False
             target, adds = self._lora_grad_target(param)
             if target is not None and not adds:  # grads added into param.grad serialize under the lock instead
                 in_flight[id(param)] = weakref.ref(call)  # dies with a backward that raised before handing over

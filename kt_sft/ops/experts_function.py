@@ -211,17 +211,17 @@ class StartEngine(torch.autograd.Function):
                         work()
             finally:  # work that raised leaves no engine call running behind the error
                 call.running.wait()
+            call.running = call.grads = call.saved = None
+            (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
+            # dx and dw first: the next GPU work waits for them, and a LoRA on the GPU queues its grads' larger
+            # copies after them (KTExperts.hand_lora_grad).
+            dx, dw = to_caller(dx, dev, dt), to_caller(dw, wdev, wdt)
+            for p, g, d in zip(call.lora_params, lora_grads, direct):
+                if d:
+                    call.module.hand_lora_grad(p, g, call)
         except BaseException:
             call.module.drop_lora_grads(call)
             raise
-        call.running = call.grads = call.saved = None
-        (dev, dt), (wdev, wdt, _) = call.x_meta, call.w_meta
-        # dx and dw first: the next GPU work waits for them, and a LoRA on the GPU queues its grads' larger copies
-        # after them (KTExperts.hand_lora_grad).
-        dx, dw = to_caller(dx, dev, dt), to_caller(dw, wdev, wdt)
-        for p, g, d in zip(call.lora_params, lora_grads, direct):
-            if d:
-                call.module.hand_lora_grad(p, g, call)
         out_lora = [None if g is None or d else g.to(device=p.device, dtype=p.dtype)
                     for p, g, d in zip(call.lora_params, lora_grads, direct)]
         return (None, dx, None, dw, *base, *out_lora)

@@ -30,20 +30,23 @@ transfers: in bench_model at 16 layers the rest of the step grew by about what t
 """
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
+_side_streams_lock = threading.Lock()  # two threads' first uses would each make one, their copies then unordered
 
 
 def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
     """The stream the LoRA's copies to and from device run on (one per device, made at its first use), after the
     work its compute stream has queued so far."""
-    stream = _side_streams.get(device)
-    if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
+    with _side_streams_lock:
+        stream = _side_streams.get(device)
+        if stream is None:
+            stream = _side_streams[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
 

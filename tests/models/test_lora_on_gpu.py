@@ -247,3 +247,44 @@ def test_a_lora_copy_cut_short_by_an_error_is_made_again(monkeypatch):
     monkeypatch.setattr(gpu_lora, "_queue_on_side", queue)
     with torch.no_grad():
         assert rel_l2(gpu(input_ids=ids).logits.cpu(), ref(input_ids=ids).logits.cpu()) <= GPU_VS_CPU
+
+
+@needs_cuda
+def test_two_threads_backward_through_the_gpu_lora_sum_their_grads(monkeypatch):
+    # While one backward's grad of a matrix is on its way (a pinned buffer, then a side-stream upload), another
+    # thread's backward writes its own buffer, which its hand-over adds in on the same stream: through autograd it
+    # had been added on the compute stream, unordered with the first upload.
+    import threading
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(device=cuda).train()
+    params = expert_lora(gpu)
+    alone = []
+    for seed in (1, 2):
+        gpu.zero_grad(set_to_none=True)
+        ids = batch(seed, cuda)
+        gpu(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        alone.append([p.grad.clone() for p in params])
+    for _ in range(3):
+        gpu.zero_grad(set_to_none=True)
+        losses = [gpu(input_ids=batch(seed, cuda), labels=batch(seed, cuda)).loss for seed in (1, 2)]
+        barrier, errors = threading.Barrier(2), []
+
+        def backward(loss):
+            try:
+                barrier.wait()
+                loss.backward()
+            except Exception as e:  # noqa: BLE001 - reported by the assertion below
+                errors.append(e)
+
+        threads = [threading.Thread(target=backward, args=(loss,)) for loss in losses]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        torch.cuda.synchronize()
+        assert not errors
+        for p, one, two in zip(params, *alone):
+            assert rel_l2(p.grad, one + two) <= GPU_VS_CPU
