@@ -189,7 +189,8 @@ def shard_contents(ckpt: Checkpoint) -> dict[str, list[str]]:
     contents = {}
     for shard, keys in listed.items():
         with open_safetensors(ckpt.dir / shard) as f:
-            contents[shard] = list(f.keys())
+            # A tensor the index places in another shard is taken from there (a stale copy here is dropped).
+            contents[shard] = [k for k in f.keys() if ckpt.shard_of.get(k, shard) == shard]
         absent = keys.difference(contents[shard])
         if absent:
             raise ckpt.not_in_shard(min(absent))

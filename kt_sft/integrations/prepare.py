@@ -78,6 +78,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     earlier = Path(earlier["source"]) if isinstance(earlier, dict) and isinstance(earlier.get("source"), str) else None
     names = {f.name for f in linked}
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "config.json").is_file():  # an earlier prepare's (a directory without the shim was refused above):
+        (out / "config.json").unlink()     # gone before the links change, so one cut short leaves nothing that loads
     for old in out.iterdir():
         if old.is_symlink() and (old.name in names or Path(os.readlink(old)).parent == earlier):
             old.unlink()

@@ -75,5 +75,6 @@ def architecture_of(config) -> MoEArchitecture:
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES]))}.")
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # checked here so that loading a checkpoint refuses it too, not only patching
-        raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only.")
+        raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only, so "
+                         "kt_sft cannot train this model: use one whose experts use silu.")
     return _REGISTRY[model_type]

@@ -457,8 +457,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         become param.grad, when the grad is None;
         the grad itself, added into, when an earlier micro-batch left one (gradient accumulation). Either way
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
-        machine) and autograd makes no extra pass to add it. (None, False) for other matrices or grads
-        (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
+        machine) and autograd makes no extra pass to add it; without a storage use count (CPU-only torch
+        before 2.8) a fresh buffer every step. (None, False) for other matrices or grads, and for a matrix with
+        other strides than a contiguous one's (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
         then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad). Until then a
         second backward through this module (another thread's, or this module's other call in one graph when
         autograd interleaves them) writes into a new buffer of its own (pinned for a GPU matrix), which its
@@ -473,7 +474,9 @@ class KTExperts(LoadsInPlace, nn.Module):
                 return torch.empty(param.shape, dtype=torch.float32, pin_memory=param.device.type == "cuda"), False
             target, adds = self._lora_grad_target(param)
             if target is not None and not adds:  # grads added into param.grad serialize under the lock instead
-                in_flight[id(param)] = weakref.ref(call)  # dies with a backward that raised before handing over
+                # Dropped at the hand-over, by drop_lora_grads when our backward nodes raise, or with the call's
+                # graph (a node between them raised and the graph is let go).
+                in_flight[id(param)] = weakref.ref(call)
             return target, adds
 
     def _lora_grad_target(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
@@ -518,7 +521,8 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     @staticmethod
     def grads_lock() -> threading.Lock:
-        """Held while grads are handed over (hand_lora_grad), and while the engine adds into a param.grad."""
+        """Held while grads are handed over (hand_lora_grad), and while the engine adds into a LoRA param.grad (base
+        weights' grads, in full mode, are added by engine calls in turn)."""
         return _grads_lock
 
     def take_kept(self, xc, idx, w, lora_params, lora) -> KeptForward | None:

@@ -409,13 +409,31 @@ def test_two_threads_backward_through_one_module_sum_their_grads(module):
                 assert torch.allclose(lora["default"][name].grad, want, rtol=1e-5, atol=1e-6), f"{key}_{name}"
 
 
-def test_a_lora_matrix_with_other_strides_gets_its_grad_through_autograd(module):
+def test_a_lora_matrix_with_other_strides_gets_its_grad_through_autograd():
     x, idx, w, g = inputs(SHAPE)
-    plain = run_engine(module, x, idx, w, g)
+    plain = run_engine(make_module(SHAPE, lora=True), x, idx, w, g)
+    module = make_module(SHAPE, lora=True)  # no grad buffer kept yet: one would be made with the matrix's strides
     A = module.lora_A["default"]["gate"]
     A.data = A.data.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, column-major
     assert not A.is_contiguous()
     assert torch.allclose(run_engine(module, x, idx, w, g)["dA_gate"], plain["dA_gate"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_that_raised_leaves_the_grad_buffers_to_the_next(module, monkeypatch):
+    # A backward that raised after choosing where its grads go, its graph still held (a stored exception): the
+    # next backward must write into the module's buffers again, not each time into new ones.
+    x, idx, w, g = inputs(SHAPE)
+    A = module.lora_A["default"]["gate"]
+    module(x, idx, w).backward(g)
+    buffer = A.grad.data_ptr()
+    module.zero_grad(set_to_none=True)
+    y = module(x, idx, w)
+    monkeypatch.setenv("KT_SFT_BACKWARD_COPY", "yes")  # refused when the backward reads it: after the choice
+    with pytest.raises(ValueError, match="KT_SFT_BACKWARD_COPY"):
+        y.backward(g)
+    monkeypatch.delenv("KT_SFT_BACKWARD_COPY")
+    module(x, idx, w).backward(g)
+    assert A.grad.data_ptr() == buffer
 
 
 def test_configure_from_another_thread_waits_for_calls_in_flight(module):
