@@ -256,5 +256,9 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     if target != "bf16":
         _RefuseTrainingQuantizedBase(model)
         _refuse_saving(model, target)
+        # What transformers sets on a quantized model, read by LLaMA-Factory: it then serves an adapter unmerged
+        # (it merges adapters into other models at inference, which FP8/INT4 experts refuse) and refuses merging
+        # several, as for any quantized model.
+        model.quantization_method = "fp8" if target == "fp8" else "compressed-tensors"
     attach_step_profile(model, profile_every())
     return model.eval()

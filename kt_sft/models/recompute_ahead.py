@@ -81,7 +81,9 @@ class Pass:
 
     def __call__(self, *args, **kwargs):
         global _recomputed
-        if not torch.is_grad_enabled() and not recomputing():
+        if not torch.is_grad_enabled() and not recomputing() and not torch.is_inference_mode_enabled():
+            # A first forward (under no_grad; one under inference_mode, a generate in training mode, is never
+            # recomputed, and its tensors keep no version counter to note).
             self._note(args, kwargs)
             out = self.func(*args, **kwargs)
             first = out[0] if isinstance(out, tuple) and out else out

@@ -42,8 +42,10 @@ class KeptForward(NamedTuple):
 
 
 def keeps_forward(training: bool) -> bool:
-    """Whether a forward that builds no graph keeps its pass: in training mode, with grad off, unless turned off."""
-    return training and not torch.is_grad_enabled() and not recompute_experts()
+    """Whether a forward that builds no graph keeps its pass: in training mode, with grad off, unless turned off;
+    never under inference_mode (a checkpoint's first forward runs under no_grad; nothing recomputes an inference)."""
+    return (training and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+            and not recompute_experts())
 
 
 def kept_bytes(tokens: int, k: int, intermediate: int, rank: int, x: torch.Tensor) -> int:

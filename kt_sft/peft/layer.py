@@ -149,17 +149,19 @@ class KTExpertsLinear(KTExperts, LoraLayer):
             if base is not None:
                 self._modules["base_layer"] = base
 
-    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> KTExperts:
-        """PEFT's merge_and_unload / unload for these experts: plain KTExperts over the same weights (no copy), the
-        adapters merged into them first when asked."""
+    def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> KTExpertsLinear:
+        """PEFT's merge_and_unload / unload for these experts: experts without adapters over the same weights (no
+        copy), the adapters merged into them first when asked. Of this class, as the model's experts were before
+        any adapter, so that PEFT can put another adapter on them (LLaMA-Factory merges all but the last of several
+        adapters, then loads the last)."""
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
         if self.expert_format == "bf16":
             gate_up, down = self.gate_up_proj, self.down_proj
-            experts = KTExperts(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
-                                check_finite=self.check_finite)
+            experts = KTExpertsLinear(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
+                                      check_finite=self.check_finite)
             for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
                 if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
                     new.data = old.data
             return experts
-        return KTExperts(self.quantized_weights(), check_finite=self.check_finite)
+        return KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)

@@ -270,6 +270,8 @@ def test_two_threads_backward_through_the_gpu_lora_sum_their_grads(monkeypatch):
     for _ in range(3):
         gpu.zero_grad(set_to_none=True)
         losses = [gpu(input_ids=batch(seed, cuda), labels=batch(seed, cuda)).loss for seed in (1, 2)]
+        with torch.cuda.stream(gpu_lora._queue_on_side(cuda)):
+            torch.cuda._sleep(int(2e8))  # holds back the first hand-over's upload past the second's grad
         barrier, errors = threading.Barrier(2), []
 
         def backward(loss):

@@ -187,9 +187,16 @@ def test_merged_adapter_matches_the_adapter(model_type):
                 # Two roundings away at most: half a BF16 step of the merged weight, half of the restored one.
                 assert ((w.float() - w0.float()).abs() <= 2.0**-8 * (w1.float().abs() + w.float().abs())).all()
         plain = kt.merge_and_unload()
-        assert not any(isinstance(m, KTExpertsLinear) for m in plain.modules())
+        assert not any(m.lora_A for m in plain.modules() if isinstance(m, KTExpertsLinear))
         assert not [k for k in plain.state_dict() if "lora" in k or "base_layer" in k]
-        assert rel_l2(plain(ids).logits, adapter) <= MERGED_BF16
+        merged_logits = plain(ids).logits
+        assert rel_l2(merged_logits, adapter) <= MERGED_BF16
+    # Another adapter goes on the merged model's experts (LLaMA-Factory merges all but the last of several adapters,
+    # then loads the last): a zero-initialized one leaves the merged logits as they are.
+    again = get_peft_model(plain, LoraConfig(r=2, lora_alpha=4, target_modules=["experts"]))
+    assert all(m.lora_A for m in again.modules() if isinstance(m, KTExpertsLinear))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, merged_logits)
 
 
 def test_safe_merge_refuses_a_non_finite_adapter_and_leaves_the_weights():

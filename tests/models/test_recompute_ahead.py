@@ -141,6 +141,18 @@ def test_a_forward_without_backward_leaves_nothing_ahead(four_layers, monkeypatc
     assert four_layers.count("ahead") == LAYERS - 1
 
 
+def test_inference_mode_forwards_in_training_mode_leave_the_next_step_as_it_was(four_layers, monkeypatch):
+    # A generate under inference_mode between training steps, the model left in training mode: its tensors keep no
+    # version counter, and nothing recomputes them (it had raised noting them as a first forward).
+    expected = stock("qwen3_moe", monkeypatch, steps=1)
+    model = lora_model("qwen3_moe")
+    enable_checkpointing(model)
+    with torch.inference_mode():
+        model.generate(input_ids=torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1)),
+                       max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert_same(train(model, steps=1), expected)
+
+
 def test_a_backward_that_adds_into_existing_grads_keeps_the_stock_order(four_layers, monkeypatch):
     # A second micro-batch adds the expert LoRA grads into param.grad: the engine runs first, nothing beside it.
     model = lora_model("qwen3_moe")
