@@ -121,7 +121,8 @@ def run(argv=None) -> int:
     """The command line, raising what goes wrong (for callers and tests); `main` is the installed command."""
     ap = argparse.ArgumentParser(prog="kt-sft", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("doctor", help="report CPU features, kernel sets, threads, on/off switches, memory, GPU and library versions").set_defaults(fn=doctor)
+    sub.add_parser("doctor", help="report CPU features, kernel sets, threads, on/off switches, memory, GPU and "
+                                  "library versions").set_defaults(fn=doctor)
     p = sub.add_parser("prepare", help="write a directory that LLaMA-Factory / transformers load with CPU experts")
     p.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors shards)")
     p.add_argument("out_dir", help="where to write the prepared directory (small: links and config)")

@@ -188,9 +188,9 @@ def beyond_the_layers(key: str, config) -> bool:
 
 
 def kept_in_float32(model, dtype: torch.dtype):
-    """A test of a weight's name: whether transformers' from_pretrained keeps it in float32 when loading the model in dtype
-    (_keep_in_fp32_modules_strict under BF16 and FP16, _keep_in_fp32_modules under FP16); from_config, which builds
-    our model, does not."""
+    """A test of a weight's name: whether transformers' from_pretrained keeps it in float32 when loading the model
+    in dtype (_keep_in_fp32_modules_strict under BF16 and FP16, _keep_in_fp32_modules under FP16); from_config,
+    which builds our model, does not."""
     patterns = set()
     if dtype in (torch.float16, torch.bfloat16):
         patterns |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())

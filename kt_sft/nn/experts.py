@@ -459,8 +459,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         no fresh grad tensor faults in tens of MB of pages per layer (~25 ms at Layer Q on the GPU test
         machine) and autograd makes no extra pass to add it; without a storage use count (CPU-only torch
         before 2.8) a fresh buffer every step. (None, False) for other matrices or grads, and for a matrix with
-        other strides than a contiguous one's (autograd then gets a returned grad). A float32 matrix on a GPU: a pinned buffer, which hand_lora_grad
-        then copies up. call: the engine call whose backward hands the grad over (hand_lora_grad). Until then a
+        other strides than a contiguous one's (autograd then gets a returned grad). A float32 matrix on a GPU: a
+        pinned buffer, which hand_lora_grad then copies up. call: the engine call whose backward hands the grad
+        over (hand_lora_grad). Until then a
         second backward through this module (another thread's, or this module's other call in one graph when
         autograd interleaves them) writes into a new buffer of its own (pinned for a GPU matrix), which its
         hand-over adds in under the lock (returned to autograd, its accumulation would run outside the lock and,
