@@ -26,7 +26,8 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     router, `block_sparse_moe.gate`) take the module's names too."""
     from ..peft.layer import KTExpertsLinear
 
-    filled: dict[str, list[int]] = {}  # fused key -> [slices this load filled, slices it has]
+    filled: dict[str, int] = {}  # fused key -> the expert slices this load copied into it
+    slices: dict[str, int] = {}  # fused key -> the expert slices it has
     strict_load = [False]
 
     def hook(state_dict, prefix, local_metadata, strict, *args):
@@ -45,28 +46,27 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
             for old, new in arch.key_renames:
                 stored = stored.replace(new, old)
             keys = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
-            I = module.down_proj.shape[-1]
-            for e in range(module.gate_up_proj.shape[0]):
-                for key, fused, rows in zip(keys, (module.gate_up_proj, module.gate_up_proj, module.down_proj),
+            E, I = module.gate_up_proj.shape[0], module.down_proj.shape[-1]
+            slices.update({name + ".gate_up_proj": 2 * E, name + ".down_proj": E})
+            for e in range(E):
+                for key, fused, rows in zip(keys, ("gate_up_proj", "gate_up_proj", "down_proj"),
                                             (slice(0, I), slice(I, 2 * I), slice(None))):
                     value = state_dict.pop(key.format(e), None)
                     if value is None:
                         continue
-                    target = fused[e, rows]
+                    target = getattr(module, fused)[e, rows]
                     if value.shape != target.shape:
                         raise ValueError(f"{key.format(e)} has shape {tuple(value.shape)} but this model's expert "
                                          f"takes {tuple(target.shape)}; the checkpoint is of another model.")
                     with torch.no_grad():
                         target.copy_(value)
-                    fused_key = name + (".down_proj" if fused is module.down_proj else ".gate_up_proj")
-                    count = filled.setdefault(fused_key, [0, (1 if fused is module.down_proj else 2) * fused.shape[0]])
-                    count[0] += 1
+                    filled[f"{name}.{fused}"] = filled.get(f"{name}.{fused}", 0) + 1
 
     def not_missing(module, incompatible):
         # A fused weight this load filled is not missing; under strict=True only when it filled every expert's
         # slices (a sharded save is loaded file by file with strict=False, each file holding some of them).
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
-                                        if k not in filled or strict_load[0] and filled[k][0] < filled[k][1]]
+                                        if k not in filled or strict_load[0] and filled[k] < slices[k]]
 
     model._register_load_state_dict_pre_hook(hook)
     model.register_load_state_dict_post_hook(not_missing)
