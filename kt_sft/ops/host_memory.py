@@ -13,21 +13,36 @@ def _read(path: str) -> str | None:
         return None
 
 
+def _levels(mount: str, path: str) -> list[str]:
+    """The directories of this process's cgroup and of each one above it, up to the mount's root (a limit set on a
+    parent binds its children: a Slurm job over its steps, a systemd slice over its services). Only the root where
+    the path /proc/self/cgroup names is not under the mount: a container without a cgroup namespace of its own
+    sees the host's path there, while its own cgroup is mounted as the root."""
+    if not os.path.isdir(os.path.join(mount, path)):
+        return [mount]
+    levels = [os.path.join(mount, path)]
+    while path:
+        path = os.path.dirname(path)
+        levels.append(os.path.join(mount, path))
+    return levels
+
+
 def _cgroup_headroom(proc: str, cgroup: str) -> tuple[int, int] | None:
-    """(limit − use net of reclaimable file cache, limit) of this process's memory cgroup (v2, else v1), or None
-    where memory is not limited or cannot be read."""
+    """(limit − use net of reclaimable file cache, limit) of the tightest memory cgroup over this process (v2 and
+    v1), or None where memory is not limited or cannot be read."""
     paths = {}  # controller ("" for v2's unified hierarchy) → this process's cgroup path
     for line in (_read(f"{proc}/self/cgroup") or "").splitlines():
         parts = line.split(":", 2)
         if len(parts) == 3:
             for controller in parts[1].split(","):
-                paths[controller] = parts[2].strip().lstrip("/")
+                paths[controller] = parts[2].strip().strip("/")
     tries = []
     if "" in paths:
-        tries.append((os.path.join(cgroup, paths[""]), "memory.max", "memory.current", "inactive_file"))
+        tries += [(level, "memory.max", "memory.current", "inactive_file") for level in _levels(cgroup, paths[""])]
     if "memory" in paths:
-        tries.append((os.path.join(cgroup, "memory", paths["memory"]), "memory.limit_in_bytes",
-                      "memory.usage_in_bytes", "total_inactive_file"))
+        tries += [(level, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+                  for level in _levels(os.path.join(cgroup, "memory"), paths["memory"])]
+    found = []
     for base, limit_file, usage_file, cache_key in tries:
         stat = (_read(f"{base}/memory.stat") or "").split()
         try:
@@ -36,8 +51,8 @@ def _cgroup_headroom(proc: str, cgroup: str) -> tuple[int, int] | None:
         except (TypeError, ValueError):  # absent, or "max" (v2's unlimited)
             continue
         if limit < 1 << 60:  # above: v1's unlimited
-            return limit - max(used - cache, 0), limit
-    return None
+            found.append((limit - max(used - cache, 0), limit))
+    return min(found) if found else None
 
 
 def host_headroom(proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int, int] | None:

@@ -160,6 +160,25 @@ def test_host_headroom_reads_meminfo_and_the_tighter_cgroup_limit(tmp_path):
     assert host_memory.host_headroom(*fake_host(tmp_path / "e", None, "4:memory:/job", v1_unlimited)) is None
 
 
+def test_host_headroom_finds_a_limit_set_above_the_process_or_at_a_containers_root(tmp_path):
+    # Both were missed, the whole machine's MemAvailable planned against: a v2 limit on a parent (a Slurm job over
+    # its step's task), and a v1 container without its own cgroup namespace (its cgroup mounted as the root while
+    # /proc/self/cgroup names the host's path).
+    gib = 1 << 30
+    parent = {"job/memory.max": f"{8 * gib}\n", "job/memory.current": f"{6 * gib}\n",
+              "job/memory.stat": "inactive_file 0\n", "job/step/task/memory.max": "max\n",
+              "job/step/task/memory.current": f"{6 * gib}\n", "job/step/task/memory.stat": "inactive_file 0\n"}
+    assert host_memory.host_headroom(*fake_host(tmp_path / "a", (200 << 20, 256 << 20), "0::/job/step/task",
+                                                parent)) == (2 * gib, 8 * gib)
+    tighter_below = {**parent, "job/step/task/memory.max": f"{7 * gib}\n"}  # 1 GiB left there, 2 in the job
+    assert host_memory.host_headroom(*fake_host(tmp_path / "b", (200 << 20, 256 << 20), "0::/job/step/task",
+                                                tighter_below)) == (1 * gib, 7 * gib)
+    container = {"memory/memory.limit_in_bytes": f"{8 * gib}", "memory/memory.usage_in_bytes": f"{6 * gib}",
+                 "memory/memory.stat": "total_inactive_file 0\n"}
+    assert host_memory.host_headroom(*fake_host(tmp_path / "c", (200 << 20, 256 << 20), "4:memory:/docker/abc",
+                                                container)) == (2 * gib, 8 * gib)
+
+
 def test_a_pass_is_not_kept_where_host_ram_is_short(monkeypatch):
     x, idx, w, g = inputs(SHAPE)
     expected = run_engine(fresh(), x, idx, w, g)
