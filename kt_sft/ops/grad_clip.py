@@ -8,12 +8,16 @@ experts, `torch.nn.utils.clip_grad_norm_` is this function: the squares of dense
 summed by the engine's pool in float64 (fixed order: the same for any thread count), every other gradient's norm
 is torch's own, and the coefficient and the scaling are torch's. The CPU gradients are multiplied only when the
 coefficient is below 1 (torch multiplies them by 1.0 too, which changes nothing but costs a pass over them).
-Results differ from torch's in the norm's last bits only (a different summation order; a run that is chaotic in
-them, like the demo's at a constant high rate, can end elsewhere), and the norm is float32 even where every
-gradient is bf16. Other norm types, and gradients torch would not hand to a plain CPU kernel (sparse, non-
-contiguous, subclasses), go to torch unchanged.
+Results differ from torch's in the norm's last bits (a different summation order; a run that is chaotic in
+them, like the demo's at a constant high rate, can end elsewhere), and where torch rounds: it rounds each bf16
+gradient's norm to bf16 (~0.2% off) and returns a bf16 norm where every gradient is bf16 (float32 here), and its
+float32 sums of squares overflow for norms above ~1.8e19, where it returns inf and zeroes the gradients (the true
+norm and scaling here). The norm is float64 where a gradient is. Other norm types, and gradients torch would not
+hand to a plain CPU kernel (sparse, non-contiguous, subclasses), go to torch unchanged.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -33,18 +37,20 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     """torch.nn.utils.clip_grad_norm_, same arguments and result; see the module docstring."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
+    generator = isinstance(parameters, types.GeneratorType)
     parameters = list(parameters)
     with_grad = [p for p in parameters if p.grad is not None]
     here = [p.grad for p in with_grad if _summed_here(p.grad)]
-    if float(norm_type) != 2.0 or not here:
-        return _torch_clip_grad_norm(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    if float(norm_type) != 2.0 or not here:  # (an empty generator: torch's warning says so)
+        return _torch_clip_grad_norm((p for p in parameters) if generator else parameters, max_norm, norm_type,
+                                     error_if_nonfinite, foreach)
     elsewhere = [p for p in with_grad if not _summed_here(p.grad)]
     device = with_grad[0].grad.device  # torch returns the total norm on the first gradient's device
-    norms = [torch.tensor(_C.sum_squares([view(g, "gradient") for g in here]), dtype=torch.float64).sqrt()
-             .to(torch.float32)]
+    dtype = torch.float64 if any(p.grad.dtype == torch.float64 for p in elsewhere) else torch.float32
+    norms = [torch.tensor(_C.sum_squares([view(g, "gradient") for g in here]), dtype=torch.float64).sqrt()]
     if elsewhere:
-        norms.append(torch.nn.utils.get_total_norm([p.grad for p in elsewhere], 2.0, False, foreach).to(torch.float32))
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in elsewhere], 2.0, False, foreach).double())
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])).to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the gradients' total norm is {total.item()}, so they cannot be clipped; find the "
                            "non-finite loss or gradient, or pass error_if_nonfinite=False to skip this check.")

@@ -91,6 +91,25 @@ def test_non_finite_norm_raises_on_request_and_poisons_gradients_like_torch():
         assert (p.grad is None and q.grad is None) or (p.grad.isnan().all() and q.grad.isnan().all())
 
 
+def test_float64_gradients_keep_a_float64_norm_and_large_norms_do_not_overflow():
+    # The norm had been cast to float32: 1e40 became inf, and every gradient was zeroed; a float32 norm of 1e21
+    # became inf beside a float16 gradient (their float32 combination overflowed).
+    a, b = torch.nn.Parameter(torch.zeros(100, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(50))
+    a.grad, b.grad = torch.full((100,), 1e39, dtype=torch.float64), torch.ones(50)
+    total = grad_clip.clip_grad_norm_([a, b], 1.0)
+    assert total.dtype == torch.float64 and total.item() == pytest.approx(1e40, rel=1e-6)
+    assert a.grad[0].item() == pytest.approx(0.1, rel=1e-5) and torch.all(b.grad > 0)
+    c, d = torch.nn.Parameter(torch.zeros(100)), torch.nn.Parameter(torch.zeros(5, dtype=torch.float16))
+    c.grad, d.grad = torch.full((100,), 1e20), torch.ones(5, dtype=torch.float16)
+    assert grad_clip.clip_grad_norm_([c, d], 1.0).item() == pytest.approx(1e21, rel=1e-6)
+    assert torch.isfinite(c.grad).all() and c.grad[0].item() == pytest.approx(0.1, rel=1e-5)
+
+
+def test_an_empty_generator_is_warned_about_as_torch_does():
+    with pytest.warns(UserWarning, match="empty generator"):
+        assert grad_clip.clip_grad_norm_((p for p in []), 1.0).item() == 0.0
+
+
 def test_cpu_experts_install_it_for_the_trainers():
     from experts_case import Shape, make_module
     make_module(Shape("tiny", T=4, H=16, I=8, E=2, K=1, r=2), lora=True)
