@@ -28,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .._ext import _C, backward_copy_wanted, lora_on_gpu_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip, host_memory
+from ..ops.at_exit import note_caller
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
 from ..ops.gpu_lora import GpuLora, check_room
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
@@ -588,6 +589,7 @@ class KTExperts(LoadsInPlace, nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         beside = self.__dict__.pop("_beside", None)
+        note_caller()
         self._check(hidden_states, top_k_index, top_k_weights)
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()

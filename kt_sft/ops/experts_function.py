@@ -107,19 +107,21 @@ def start_forward(engine, xc, idx, w, lora_r, lora_scale, lora32, save, device, 
     t0 = time.perf_counter()
     pending = engine.forward(view(xc, "hidden_states"), view(idx, "top_k_index"), view(w, "top_k_weights"), view(out),
                              lora_r, lora_scale, lora_views(lora32), save, *dropout, now=now)
-    return out, Running(pending, "forward", t0)
+    return out, Running(pending, "forward", t0, time.perf_counter() if now else None)
 
 
 class Running(NamedTuple):
-    """An engine call in flight; wait() returns its result and adds its wall time, from its start, to the step
-    profile's phase (engine_timer's phases)."""
+    """An engine call in flight; wait() returns its result and adds its wall time to the step profile's phase
+    (engine_timer's phases): from its start to its end where it ran at once (t1; what the caller did before the
+    wait is not the engine's), else to the wait."""
     pending: object
     phase: str
     t0: float
+    t1: float | None = None
 
     def wait(self):
         result = self.pending.wait()
-        add_engine_seconds(self.phase, time.perf_counter() - self.t0)
+        add_engine_seconds(self.phase, (self.t1 or time.perf_counter()) - self.t0)
         return result
 
 
@@ -318,6 +320,6 @@ def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
             now=not concurrent, lora_accumulate=accumulate, backward_copy=copy,
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
-    call.running = Running(pending, "backward", t0)
+    call.running = Running(pending, "backward", t0, None if concurrent else time.perf_counter())
     call.backward_work = work
     call.grads = dx, dw, lora_grads, direct, base_out

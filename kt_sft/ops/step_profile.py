@@ -28,7 +28,8 @@ def host_rss_gib(key: str = "VmRSS") -> float:
 
 
 class StepProfile:
-    """A forward pre-hook on the model's decoder stack: each training forward closes the previous cycle."""
+    """A forward pre-hook on the model's decoder stack: each training forward (in training mode, with grad) closes
+    the previous cycle; an evaluation forward drops it."""
 
     def __init__(self, every: int, out=None):
         self.every = every
@@ -37,7 +38,10 @@ class StepProfile:
         self.t0 = None
 
     def __call__(self, module: nn.Module, args, kwargs):
-        if not module.training:
+        if not module.training:  # an evaluation between steps: the cycle it interrupts would count it as training
+            self.t0 = None
+            return
+        if not torch.is_grad_enabled():  # a pass inside a step (DPO's reference model with the adapter disabled)
             return
         now = time.perf_counter()
         if self.t0 is not None:

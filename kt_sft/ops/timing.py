@@ -12,12 +12,22 @@ with `engine_phases()`: two clock reads per phase, nothing while it is off.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from .._ext import _C
 
 _SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0, "gpu": 0.0}
-_OPEN: list[str] = []  # the phases being timed, innermost last
+_THREAD = threading.local()  # .open: the phases this thread is timing, innermost last (another thread's spans
+# are not part of them: inference calls from an API server's workers, autograd's device thread)
+
+
+def _open() -> list[str]:
+    try:
+        return _THREAD.open
+    except AttributeError:
+        _THREAD.open = []
+        return _THREAD.open
 
 
 class engine_timer:  # noqa: N801 - used as `with engine_timer(phase):`; a class costs less per call than a generator
@@ -28,10 +38,10 @@ class engine_timer:  # noqa: N801 - used as `with engine_timer(phase):`; a class
 
     def __enter__(self):
         self.t0 = time.perf_counter()
-        _OPEN.append(self.phase)
+        _open().append(self.phase)
 
     def __exit__(self, *exc):
-        _OPEN.pop()
+        _open().pop()
         add_engine_seconds(self.phase, time.perf_counter() - self.t0)
         return False
 
@@ -40,8 +50,9 @@ def add_engine_seconds(phase: str, spent: float) -> None:
     """Adds a span to phase (engine_timer's, or one timed outside it: an engine call that ran while Python went
     on); an open outer phase gives the time up."""
     _SECONDS[phase] += spent
-    if _OPEN:
-        _SECONDS[_OPEN[-1]] -= spent
+    opened = _open()
+    if opened:
+        _SECONDS[opened[-1]] -= spent
 
 
 class uncounted:  # noqa: N801 - used as `with uncounted():`

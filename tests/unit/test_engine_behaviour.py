@@ -1,4 +1,7 @@
 """Threads, async submission, bad input, device moves and construction paths of the engine."""
+import io
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -660,6 +663,51 @@ def test_step_profile_counts_engine_phases_and_transfers():
     assert not any(engine_seconds().values())
 
 
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.2)
+        return g
+
+
+def test_step_profile_leaves_out_what_runs_beside_an_engine_call_that_ran_at_once():
+    # On the CPU the engine runs at once; the step profile counted, as the engine's, the work queued beside it
+    # (a block's shared experts) in forward, and in backward the nodes that work made: 200 ms each here.
+    shape = Shape("profile", T=16, H=32, I=16, E=4, K=2)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape)
+    shared = torch.ones(shape.T, shape.H, requires_grad=True)
+    made = []
+    m.queue_beside(lambda: (time.sleep(0.2), made.append(SlowBackward.apply(shared))))
+    reset_engine_seconds()
+    out = m(x.requires_grad_(), idx, w)
+    ((out + made[0]) * g).sum().backward()
+    spent = engine_seconds()
+    assert spent["forward"] < 0.1 and spent["backward"] < 0.1, spent
+    assert shared.grad is not None
+
+
+def test_step_profile_cycles_leave_out_evaluations_and_passes_without_grad(monkeypatch):
+    # An evaluation between two training forwards had been counted in the next step's line; a training-mode pass
+    # without grad (a DPO reference pass) had split one step into two lines.
+    from kt_sft.ops import step_profile
+    clock = iter([0.0, 5.0, 6.0, 7.0])  # read by the training forwards only
+    monkeypatch.setattr(step_profile.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    profile = step_profile.StepProfile(1, out)
+    decoder = torch.nn.Linear(1, 1)
+    for training, grad in [(True, True), (False, False), (True, True), (True, True), (True, False), (True, True)]:
+        decoder.train(training)
+        with torch.set_grad_enabled(grad):
+            profile(decoder, (), {})
+    lines = [line.split(" = ")[0] for line in out.getvalue().splitlines() if line.startswith("kt_sft step")]
+    assert lines == ["kt_sft step 1: 1000 ms", "kt_sft step 2: 1000 ms"], out.getvalue()
+
+
 def phases_of(call):
     """The engine's phase profile of call() (profiling on for it only), and the call's wall time."""
     timing.profile_engine_phases(True)
@@ -710,6 +758,32 @@ def test_nested_engine_timers_are_exclusive(monkeypatch):
     reset_engine_seconds()
 
 
+def test_engine_timers_of_two_threads_keep_to_their_own_phases():
+    # One stack of open phases for the process: another thread's engine span was taken out of this thread's open
+    # transfer (which went negative).
+    reset_engine_seconds()
+    opened, added = threading.Event(), threading.Event()
+
+    def transfer():
+        with engine_timer("transfer"):
+            opened.set()
+            added.wait(10)
+
+    def engine_result():
+        opened.wait(10)
+        timing.add_engine_seconds("forward", 5.0)
+        added.set()
+
+    threads = [threading.Thread(target=f) for f in (transfer, engine_result)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spent = engine_seconds()
+    assert spent["forward"] == 5.0 and 0 <= spent["transfer"] < 5.0, spent
+    reset_engine_seconds()
+
+
 def test_doctor_reports_what_this_machine_runs(capsys, monkeypatch):
     from kt_sft.cli import main
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
@@ -729,3 +803,25 @@ def test_doctor_names_what_newer_peft_changes(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "transformers not installed, peft 0.21.0, llamafactory not installed" in out
     assert "note             : peft 0.21.0 leaves a model's parameters as trainable" in out
+
+
+def test_a_daemon_thread_that_ran_the_experts_finishes_before_the_interpreter_exits(tmp_path):
+    # llamafactory-cli chat generates in a daemon thread; stopped by Python's shutdown while torch released a
+    # tensor, that thread aborted the process (SIGABRT) in about one exit of five with a tiny FP8 model. Such a
+    # thread now gets JOIN_SECONDS to finish; here its last work after the experts takes 0.3 s.
+    done = tmp_path / "done"
+    script = f"""
+import threading, time, torch, kt_sft
+m = kt_sft.KTExperts(torch.randn(4, 16, 8).bfloat16(), torch.randn(4, 8, 8).bfloat16())
+def generate():
+    m(torch.randn(3, 8), torch.tensor([[0, 1]] * 3), torch.rand(3, 2))
+    called.set()
+    time.sleep(0.3)
+    open({str(done)!r}, "w").close()
+called = threading.Event()
+threading.Thread(target=generate, daemon=True).start()
+called.wait(60)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert done.exists()
