@@ -50,14 +50,14 @@ class QuantizedExperts:
         """Quantizes one expert's BF16/float weights (gate, up [I, H]; down [H, I]) into slot e."""
         E, H, I = self.shape
         mod = fp8_block if self.format == "fp8" else int4_group
-        for rows, scale_rows, w in ((slice(0, I), 0, gate), (slice(I, 2 * I), 1, up)):
-            q, s = mod.quantize(w)
+        for rows, scale_rows, w, proj in ((slice(0, I), 0, gate, "gate"), (slice(I, 2 * I), 1, up, "up")):
+            q, s = mod.quantize(w, f"expert {e}'s {proj} weight")
             self.gate_up[e, rows] = q
             if self.format == "fp8":
                 self.gate_up_scale[e, scale_rows] = s
             else:
                 self.gate_up_scale[e, rows] = s
-        self.down[e], self.down_scale[e] = mod.quantize(down)
+        self.down[e], self.down_scale[e] = mod.quantize(down, f"expert {e}'s down weight")
 
     @classmethod
     def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor) -> "QuantizedExperts":

@@ -21,10 +21,10 @@ def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor
     return scale_inv.repeat_interleave(BLOCK, -2)[..., :rows, :].repeat_interleave(BLOCK, -1)[..., :cols]
 
 
-def dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> torch.Tensor:
     """float32 weights from FP8 codes and their block scales (one float32 rounding per element)."""
     rows, cols = q.shape[-2:]
-    check(q, scale_inv)
+    check(q, scale_inv, name)
     return q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), rows, cols)
 
 
@@ -48,9 +48,17 @@ def _codes(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return (w / expand_scales(scale_inv, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def require_finite(w: torch.Tensor, name: str, fmt: str) -> None:
+    """Quantizing a NaN or Inf would lose it silently (a NaN's whole group or block came out zero)."""
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{name} holds NaN or Inf values, which {fmt} weights cannot store; the weights are damaged "
+                         "(re-download them) or the update that made them diverged.")
+
+
+def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv) with each block's largest magnitude mapped to FP8_MAX (all-zero blocks get scale 1)."""
     w = w.to(torch.float32)
+    require_finite(w, name, "FP8")
     scale_inv = _fresh_scales(_block_amax(w))
     return _codes(w, scale_inv), scale_inv.contiguous()
 
@@ -73,7 +81,8 @@ def requantize(w: torch.Tensor, scale_inv: torch.Tensor,
 
 
 def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> None:
-    """Shapes and dtypes agree; scales are finite (a NaN/Inf scale would poison whole blocks)."""
+    """Shapes and dtypes agree; scales and codes are finite (a NaN/Inf scale would poison whole blocks, a NaN code
+    its value)."""
     rows, cols = q.shape[-2:]
     want = (*q.shape[:-2], *scale_shape(rows, cols))
     if q.dtype != torch.float8_e4m3fn:
@@ -84,3 +93,5 @@ def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") ->
     if not torch.isfinite(scale_inv).all():
         raise ValueError(f"{name} has NaN or Inf block scales (weight_scale_inv); the checkpoint is corrupt or was "
                          "quantized wrongly: re-download or re-quantize it.")
+    if ((q.view(torch.uint8) & 0x7F) == 0x7F).any():  # e4m3fn has no Inf; S.1111.111 is NaN
+        raise ValueError(f"{name} holds NaN codes (0x7f/0xff); the checkpoint is corrupt: re-download it.")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_block import require_finite
+
 GROUP = 32
 QMIN, QMAX = -8, 7
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)
@@ -45,16 +47,17 @@ def expand_scales(scale: torch.Tensor, cols: int) -> torch.Tensor:
     return scale.repeat_interleave(GROUP, -1)[..., :cols]
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int, name: str = "INT4 weight") -> torch.Tensor:
     """float32 weights (exact: a 4-bit integer times a BF16 scale)."""
-    check(packed, scale, cols)
+    check(packed, scale, cols, name)
     return unpack(packed, cols).to(torch.float32) * expand_scales(scale.to(torch.float32), cols)
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, scale) with the compressed-tensors symmetric rule: scale = max|w| / 7.5 per group (BF16),
     q = round(w / scale) clamped to [-8, 7]. All-zero groups get scale 1 (their q are 0)."""
     w = w.to(torch.float32)
+    require_finite(w, name, "INT4")
     scale = _fresh_scales(_grouped(w).abs().amax(-1))
     return pack(_codes(w, scale)), scale.contiguous()
 

@@ -150,9 +150,9 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
     if fmt == "int4":
         shape = ckpt.get(keys[2])
         cols = int(shape[1])
-        w = int4_group.dequantize(ckpt.get(keys[0]), scales, cols)
+        w = int4_group.dequantize(ckpt.get(keys[0]), scales, cols, keys[0])
     elif fmt == "fp8":
-        w = fp8_block.dequantize(ckpt.get(keys[0]), scales)
+        w = fp8_block.dequantize(ckpt.get(keys[0]), scales, keys[0])
     else:
         stored = ckpt.get(weight)
         w = stored.to(torch.float32)

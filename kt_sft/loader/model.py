@@ -86,9 +86,11 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
             raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
                              f"{config.model_type} layout gives; check that config.json belongs to these weights.")
         want = ((two_i // 2, H), (two_i // 2, H), (H, two_i // 2))
+        expected = set()
         for e in range(E):
             for p in range(3):
                 keys = weight_keys(fmt, arch.expert_key(layer, e, p))
+                expected.update(keys)
                 for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
                     if key not in ckpt.shard_of:
                         raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
@@ -104,6 +106,15 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                     if ckpt.get(key).tolist() != list(want[p]):
                         raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
                                          f"{list(want[p])}; check that config.json belongs to these weights.")
+        # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
+        # changes what they mean (a column order, zero points, input scales) would be lost without a word.
+        prefix = arch.checkpoint_experts.split("{expert}")[0].format(layer=layer)
+        other = sorted(k for k in ckpt.keys() if k.startswith(prefix) and k not in expected)
+        if other:
+            raise ValueError(f"the checkpoint has {other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''} "
+                             f"beside layer {layer}'s {fmt} experts, which kt_sft does not read ({fmt} experts are "
+                             f"{', '.join(k.rsplit('.', 1)[1] for k in weight_keys(fmt, 'x.weight'))} only); check "
+                             "that the checkpoint and its quantization_config belong together.")
 
 
 def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
@@ -228,6 +239,9 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
             continue
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
+        if name in targets and tuple(t.shape) != tuple(targets[name].shape):
+            raise ValueError(f"{key} has shape {list(t.shape)} but config.json implies {list(targets[name].shape)}; "
+                             "check that config.json belongs to these weights.")
         state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype) if name in targets else t
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
@@ -236,11 +250,11 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
 
     for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
-        weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target)
-        if target == "bf16":
-            experts = KTExpertsLinear(*weights, train_base=train_base)
-        else:
-            experts = KTExpertsLinear(weights)
+        try:
+            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target)
+            experts = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
+        except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
+            raise ValueError(f"layer {layer}'s routed experts: {e}") from None
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, experts)
 

@@ -31,8 +31,18 @@ def checkpoint_format(quantization_config: dict | None) -> str:
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
             raise _unsupported(f"fmt {qc.get('fmt')!r} and weight_block_size {qc.get('weight_block_size')}")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":  # static: input_scale tensors to apply
+            raise _unsupported(f"activation_scheme {qc.get('activation_scheme')!r} (activations quantized with "
+                               "stored scales; 'dynamic' is supported)")
         return "fp8"
     if method == "compressed-tensors":
+        # Settings that change what the stored tensors mean: columns in another order (actorder, with a
+        # weight_g_idx per weight), rotated weights (transform_config), sparse storage, or tensors not yet packed.
+        meaning = {k: qc.get(k) for k in ("transform_config", "sparsity_config", "kv_cache_scheme") if qc.get(k)}
+        if qc.get("quantization_status", "compressed") != "compressed":
+            meaning["quantization_status"] = qc.get("quantization_status")
+        if meaning:
+            raise _unsupported(", ".join(f"{k} {v!r}" for k, v in meaning.items()))
         groups = qc.get("config_groups") or {}
         groups = list(groups.values()) if isinstance(groups, dict) else [groups]
         if len(groups) != 1:
@@ -41,8 +51,9 @@ def checkpoint_format(quantization_config: dict | None) -> str:
             raise _unsupported(f"the config group {groups[0]!r}, which is not an object with a weights object")
         weights = groups[0].get("weights") or {}
         fmt = groups[0].get("format") or qc.get("format")
-        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
-        got = {k: weights.get(k) for k in want}
+        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+                "actorder": None, "dynamic": False, "block_structure": None}
+        got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
         if got != want or fmt != "pack-quantized" or groups[0].get("input_activations"):
             raise _unsupported(f"format {fmt!r} with weights {got} and input_activations "
                                f"{groups[0].get('input_activations')}")
@@ -81,9 +92,17 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     read = read or ckpt.get
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
-        cols = int(ckpt.get(base + ".weight_shape")[1])
-        return base + ".weight", int4_group.dequantize(read(key), read(base + ".weight_scale"), cols)
+        packed, shape = read(key), ckpt.get(base + ".weight_shape").tolist()
+        if len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0]:
+            raise ValueError(f"{base}.weight_shape says {shape}, but {key} holds {packed.shape[0]} rows; the "
+                             "checkpoint is damaged or was written wrongly: download it again.")
+        return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
     t = read(key)
+    scale_key = key.removesuffix(".weight") + ".weight_scale_inv"
     if t.dtype == torch.float8_e4m3fn:
-        return key, fp8_block.dequantize(t, read(key.removesuffix(".weight") + ".weight_scale_inv"))
+        return key, fp8_block.dequantize(t, read(scale_key), key)
+    if scale_key in ckpt.shard_of:
+        raise ValueError(f"{key} is {t.dtype} beside its FP8 block scales ({scale_key}), where FP8 weights are "
+                         "float8_e4m3fn; its values would be read as plain numbers: check that the checkpoint and "
+                         "its quantization_config belong together.")
     return key, t

@@ -106,6 +106,14 @@ def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}}}, "'num_bits': 8"),
     ("fp8", "the value 'fp8' where an object is expected"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": "int4"}}, "the config group 'int4'"),
+    # Accepted before and ignored: each changes what the stored tensors mean.
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "activation_scheme 'static'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+        "actorder": "group"}}}}, "'actorder': 'group'"),
+    ({"quant_method": "compressed-tensors", "transform_config": {"config_groups": {}}}, "transform_config"),
+    ({"quant_method": "compressed-tensors", "quantization_status": "frozen"}, "quantization_status 'frozen'"),
 ])
 def test_unsupported_quantization_is_named(published, tmp_path, qc, match):
     cfg = json.loads((published["bf16"] / "config.json").read_text())
@@ -219,3 +227,47 @@ def test_merging_into_quantized_experts_is_refused_and_unloading_keeps_them(publ
         assert torch.equal(plain(IDS).logits, base)
     # Marked as transformers marks a quantized model: LLaMA-Factory then serves an adapter unmerged.
     assert plain.quantization_method == "compressed-tensors"
+
+
+def test_a_dense_weight_beside_fp8_scales_in_another_dtype_is_refused(published, tmp_path):
+    # Read as plain numbers, its codes had become the weight (448 where 0.07 was meant) and its scale was dropped.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "e5m2", "fp8")
+    key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight"))
+    _rewrite(src, lambda state: state.update({key: state[key].to(torch.float8_e5m2)}))
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0  # prepare checks the experts only
+    with pytest.raises(ValueError, match=re.escape(key) + r" is torch.float8_e5m2 beside its FP8 block scales"):
+        load(tmp_path / "out")
+
+
+def test_tensors_beside_the_experts_that_the_loader_would_skip_are_refused(published, tmp_path):
+    # A weight_g_idx (actorder) or zero point under the experts' prefix had been skipped without a word.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "g_idx", "int4", model_type="kimi_k2")
+    key = "model.layers.1.mlp.experts.2.down_proj.weight_g_idx"
+    _rewrite(src, lambda state: state.update({key: torch.zeros(8, dtype=torch.int32)}))
+    with pytest.raises(ValueError, match=re.escape(key) + " beside layer 1's int4 experts, which kt_sft does not "
+                                         "read"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_a_dense_weight_of_another_shape_is_named(published, tmp_path):
+    src = tmp_path / "narrow"
+    src.mkdir()
+    for f in published["bf16"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight"))
+    _rewrite(src, lambda state: state.update({key: state[key][:, :-2].contiguous()}))
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    with pytest.raises(ValueError, match=re.escape(key) + r" has shape \[\d+, \d+\] but config.json implies"):
+        load(tmp_path / "out")
+
+
+def test_a_bad_expert_value_names_its_layer(published, tmp_path):
+    src = tmp_path / "nan_expert"
+    src.mkdir()
+    for f in published["bf16"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    _rewrite(src, lambda state: state[key].view(-1).__setitem__(0, float("nan")))
+    assert run(["prepare", str(src), str(tmp_path / "out"), "--expert-format", "int4"]) == 0
+    with pytest.raises(ValueError, match="layer 1's routed experts: expert 3's up weight holds NaN or Inf"):
+        load(tmp_path / "out")

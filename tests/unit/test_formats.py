@@ -159,6 +159,25 @@ def test_bad_scales_and_codes_are_refused():
         int4_group.dequantize(q4.gate_up, q4.gate_up_scale, 16)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_quantizing_nan_or_inf_is_refused(fmt, bad):
+    # A NaN had come out as a whole group of zeros (INT4's scale 1, its codes 0) without a word.
+    down = torch.randn(2, 16, 4)
+    down[1, 3, 2] = bad
+    with pytest.raises(ValueError, match="expert 1's down weight holds NaN or Inf values"):
+        QuantizedExperts.quantize(fmt, torch.randn(2, 8, 16), down)
+
+
+def test_fp8_nan_codes_are_refused_wherever_they_are_decoded():
+    # The engine refused them in FP8 experts; decoded elsewhere (other weights, experts converted to BF16 or INT4
+    # at load) they had become NaN logits or zeros.
+    q, s = fp8_block.quantize(torch.randn(130, 20))
+    q.view(torch.uint8)[129, 3] = 0xFF
+    with pytest.raises(ValueError, match="o_proj.weight holds NaN codes"):
+        fp8_block.dequantize(q, s, "o_proj.weight")
+
+
 def test_shape_and_dtype_mismatches_are_refused():
     q = QuantizedExperts.quantize("int4", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
     with pytest.raises(ValueError, match="down scale .* has shape"):
