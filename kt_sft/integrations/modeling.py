@@ -29,6 +29,10 @@ def _single_device(device_map):
     LLaMA-Factory's chat passes) puts the rest on the GPU when there is one."""
     if device_map == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else None
+    if device_map in ("balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r} spreads a model over several devices; kt_sft models take one "
+                         "device for the non-expert weights: pass 'auto', one device, or {'': 0} (routed experts "
+                         "always stay in CPU memory).")
     if device_map is None or device_map == "cpu":
         return None
     if isinstance(device_map, dict):
@@ -55,6 +59,11 @@ class KTSFTForCausalLM:
         if not (Path(settings["source"]) / "config.json").exists():
             raise FileNotFoundError(f"{pretrained_model_name_or_path} was prepared from {settings['source']}, which has "
                                     "no config.json now (moved or deleted?); run `kt-sft prepare` again on the model.")
+        if kwargs.get("quantization_config") is not None:  # LLaMA-Factory's quantization_bit (bitsandbytes, ...)
+            raise ValueError(f"{pretrained_model_name_or_path} is a kt_sft model, which does not take a "
+                             "quantization_config (LLaMA-Factory: quantization_bit): its routed experts are quantized "
+                             "by `kt-sft prepare --expert-format fp8|int4`, and the rest stays in the model's dtype; "
+                             "leave quantization_bit out.")
         if settings.get("threads") or settings.get("kernels"):
             configure(threads=settings.get("threads") or None, kernels=settings.get("kernels") or None)
         if kwargs.get("attn_implementation"):

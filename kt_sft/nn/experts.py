@@ -158,6 +158,18 @@ class LoadsInPlace:
             torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+class StackedLora(nn.ParameterDict):
+    """One adapter's LoRA matrices of the experts, by projection, each stacked over the experts."""
+
+    def __getattr__(self, name):
+        if name == "weight":  # PEFT code that reads lora_A[adapter] as one nn.Linear (add_weighted_adapter)
+            raise AttributeError("the routed experts' LoRA is stacked per expert and projection (lora_A.<adapter>.<proj>"
+                                 " [E, r, in]), not one Linear's weight: PEFT features that read it as one, such as "
+                                 "add_weighted_adapter, do not support the experts (delete_adapter the adapter it "
+                                 "left half made); combine adapters without 'experts' among their target_modules.")
+        return super().__getattr__(name)
+
+
 class KTExperts(LoadsInPlace, nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
                  train_base: bool = False, check_finite: bool = False):
@@ -342,7 +354,7 @@ class KTExperts(LoadsInPlace, nn.Module):
                              "among lora_target).")
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
-        A, B = nn.ParameterDict(), nn.ParameterDict()
+        A, B = StackedLora(), StackedLora()
         for p in projections:
             fan_in, fan_out = dims[p]
             a = torch.empty(E, r, fan_in, dtype=dtype)

@@ -103,7 +103,17 @@ class KTExpertsLinear(KTExperts, LoraLayer):
                       init=setting("init_lora_weights", True), dropout=setting("lora_dropout", 0.0))
         self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(self, hidden_states, top_k_index, top_k_weights, **peft_kwargs):
+        # PEFT's forward hooks add these for its per-sample features, which the experts' one adapter per call
+        # cannot serve.
+        if "adapter_names" in peft_kwargs:
+            raise ValueError("batches that mix adapters (adapter_names=...) are not supported on the routed experts; "
+                             "run one adapter at a time with set_adapter.")
+        if "alora_offsets" in peft_kwargs:
+            raise ValueError("aLoRA (alora_invocation_tokens) is not supported on the routed experts; use plain LoRA, "
+                             "or leave 'experts' out of target_modules.")
+        if peft_kwargs:
+            raise TypeError(f"unexpected arguments {sorted(peft_kwargs)} to the routed experts.")
         base = [p for p in (self.gate_up_proj, self.down_proj) if isinstance(p, nn.Parameter) and p.requires_grad]
         if base and torch.is_grad_enabled() and self.active_lora() is not None:
             raise ValueError("the routed experts' base weights are trainable under a LoRA adapter, so a LoRA step would "
@@ -126,14 +136,24 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         return active[0] if active else None
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        """PEFT's merge: the adapters' updates added into the BF16 expert weights (KTExperts.merge_lora)."""
+        """PEFT's merge: the adapters' updates added into the BF16 expert weights (KTExperts.merge_lora). Adapters
+        these experts do not hold (one on the attention only) are skipped, as PEFT's own layers skip them."""
         for name in check_adapters_to_merge(self, adapter_names):
-            self.merge_lora(name, check_finite=safe_merge)
-            self.merged_adapters.append(name)
+            if name in self.lora_A:
+                self.merge_lora(name, check_finite=safe_merge)
+                self.merged_adapters.append(name)
 
     def unmerge(self) -> None:
         while self.merged_adapters:
             self.merge_lora(self.merged_adapters.pop(), sign=-1.0)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        # A merged adapter's update is in the weights: taken back out before its LoRA goes (PEFT's own layers leave
+        # it merged, and its name in merged_adapters broke every later unmerge here).
+        if adapter_name in self.merged_adapters:
+            self.merge_lora(adapter_name, sign=-1.0)
+            self.merged_adapters.remove(adapter_name)
+        super().delete_adapter(adapter_name)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None) -> None:
         # PEFT's (run after a low_cpu_mem_usage load) casts the adapter to the dtype of the base layer's weight, BF16

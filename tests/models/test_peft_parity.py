@@ -210,6 +210,55 @@ def test_safe_merge_refuses_a_non_finite_adapter_and_leaves_the_weights():
     assert torch.equal(experts[0].gate_up_proj, before) and not experts[0].merged
 
 
+def kt_model(model_type="qwen3_moe"):
+    model = tiny_model(model_type)
+    use_cpu_experts(model)
+    return model.requires_grad_(False)
+
+
+def test_an_adapter_without_the_experts_merges_and_leaves_them_as_they_were():
+    # The experts took every adapter name PEFT merges: an attention-only LoRA (a common recipe) raised in
+    # merge_and_unload, half the model merged.
+    ids = batch(3)["input_ids"]
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False))
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    before = [m.gate_up_proj.detach().clone() for m in experts]
+    with torch.no_grad():
+        adapter = kt(ids).logits
+        plain = kt.merge_and_unload()
+        assert rel_l2(plain(ids).logits, adapter) <= FP32_IO
+    assert all(torch.equal(m.gate_up_proj, w) for m, w in zip(experts, before))
+
+
+def test_deleting_a_merged_adapter_takes_its_update_out_of_the_experts():
+    # Its name stayed in merged_adapters, and the next set_adapter raised.
+    ids = batch(3)["input_ids"]
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["experts"], init_lora_weights=False),
+                        adapter_name="first")
+    kt.add_adapter("second", LoraConfig(r=4, lora_alpha=8, target_modules=["experts"], init_lora_weights=False))
+    with torch.no_grad(), kt.disable_adapter():
+        base = kt(ids).logits
+    kt.merge_adapter()
+    kt.delete_adapter("first")
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    assert all(not m.merged_adapters and "first" not in m.lora_A for m in experts)
+    kt.set_adapter("second")
+    with torch.no_grad(), kt.disable_adapter():
+        assert rel_l2(kt(ids).logits, base) <= MERGED_BF16
+
+
+def test_peft_features_the_experts_cannot_serve_are_named():
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["experts"]), adapter_name="x")
+    kt.add_adapter("y", LoraConfig(r=4, lora_alpha=8, target_modules=["experts"]))
+    with pytest.raises(AttributeError, match="add_weighted_adapter, do not support the experts"):
+        kt.add_weighted_adapter(["x", "y"], [0.5, 0.5], "mix", combination_type="linear")
+    experts = next(m for m in kt.modules() if isinstance(m, KTExpertsLinear))
+    assert not hasattr(experts.lora_A["x"], "weight")  # hasattr (other libraries' probes) still answers
+    ids = batch(3)["input_ids"]
+    with pytest.raises(ValueError, match="batches that mix adapters"), torch.no_grad():
+        kt.eval()(ids, adapter_names=["x", "y"])
+
+
 def test_unsupported_model_type_is_a_clear_error():
     model = torch.nn.Linear(2, 2)
     model.config = type("Config", (), {"model_type": "gpt2"})()

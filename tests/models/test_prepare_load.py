@@ -183,6 +183,18 @@ def test_bad_step_profile_setting_is_named(monkeypatch):
         profile_every()
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    # LLaMA-Factory's quantization_bit: loaded without it, without a word, before.
+    ({"quantization_config": transformers.BitsAndBytesConfig(load_in_4bit=True)}, "does not take a quantization_config"),
+    ({"device_map": "balanced"}, "device_map='balanced' spreads a model over several devices"),  # torch's error before
+])
+def test_loading_options_a_kt_sft_model_cannot_honour_are_refused(saved, tmp_path, kwargs, match):
+    _, src = saved("qwen3_moe")
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    with pytest.raises(ValueError, match=match):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True, **kwargs)
+
+
 def test_a_bad_engine_setting_is_refused_before_loading(saved, tmp_path, monkeypatch):
     # Raised by the first experts module only, it came after every other weight of the model had been read.
     from kt_sft import _ext
