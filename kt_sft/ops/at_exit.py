@@ -20,9 +20,11 @@ _callers: weakref.WeakSet = weakref.WeakSet()
 
 
 def note_caller() -> None:
-    """Called by each forward of the experts: remembers the calling thread if it is a daemon thread."""
+    """Called by each forward of the experts: remembers the calling thread if it is a daemon thread that Python's
+    threading started (not one it merely sees, such as autograd's device threads, which run checkpointing's
+    recompute: those cannot be joined)."""
     thread = threading.current_thread()
-    if thread.daemon and thread not in _callers:
+    if thread.daemon and thread not in _callers and not isinstance(thread, threading._DummyThread):
         _callers.add(thread)
 
 
