@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import threading
 import warnings
 
 import torch
@@ -69,15 +70,19 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
               tile_min_rows: int | None = None) -> None:
     """Sets the engine's thread count, kernel set, pinning and the rows an expert needs in a call to use the
     tile (AMX) kernels (0: the measured default); unspecified values keep their current setting."""
-    cur = _C.capabilities()
-    _C.configure(
-        cur["threads"] if threads is None else _thread_count(threads),
-        cur["pinned"] if pin is None else bool(pin),
-        (cur["kernels"] or "") if kernels is None else kernels,
-        cur["tile_min_rows"] if tile_min_rows is None else _whole(
-            tile_min_rows, "tile_min_rows", 0, 2**31 - 1, "it takes a whole number of rows from 1 to 2**31 - 1 (a "
-            "large one keeps every expert off the tiles), or 0 for the measured default"),
-    )
+    with _configuring:  # two threads' calls would each keep the other's old value of what it leaves unspecified
+        cur = _C.capabilities()
+        _C.configure(
+            cur["threads"] if threads is None else _thread_count(threads),
+            cur["pinned"] if pin is None else bool(pin),
+            (cur["kernels"] or "") if kernels is None else kernels,
+            cur["tile_min_rows"] if tile_min_rows is None else _whole(
+                tile_min_rows, "tile_min_rows", 0, 2**31 - 1, "it takes a whole number of rows from 1 to 2**31 - 1 "
+                "(a large one keeps every expert off the tiles), or 0 for the measured default"),
+        )
+
+
+_configuring = threading.Lock()
 
 
 def set_kernels(name: str | None) -> None:

@@ -439,6 +439,42 @@ def test_a_backward_that_raised_leaves_the_grad_buffers_to_the_next(module, monk
     assert A.grad.data_ptr() == buffer
 
 
+def test_configure_from_two_threads_keeps_both_settings(monkeypatch):
+    # Each call read the settings it leaves unspecified, then wrote all of them: two threads' calls in between
+    # each other wrote back the other's old value. The first read here waits (up to 0.5 s) for a second one.
+    from kt_sft import _ext
+    real, second_read = _ext._C, threading.Event()
+    reads = []
+
+    class Engine:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def capabilities(self):
+            got = real.capabilities()
+            reads.append(1)
+            if len(reads) == 1:
+                second_read.wait(0.5)
+            else:
+                second_read.set()
+            return got
+
+    before = kt_sft.capabilities()
+    other = next(k for k in before["runnable_kernels"] if k != before["kernels"])
+    monkeypatch.setattr(_ext, "_C", Engine())
+    threads = [threading.Thread(target=kt_sft.configure, kwargs=kw) for kw in ({"threads": 1}, {"kernels": other})]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = real.capabilities()
+        assert (after["threads"], after["kernels"]) == (1, other), after
+    finally:
+        monkeypatch.undo()
+        kt_sft.configure(threads=before["threads"], kernels=before["kernels"])
+
+
 def test_configure_from_another_thread_waits_for_calls_in_flight(module):
     # configure swaps the thread pool: a call running on the caller's thread (every CPU call) must not see the
     # pool freed under it, nor the grad clipping's sum of squares, which runs outside the engine calls.
