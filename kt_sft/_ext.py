@@ -74,7 +74,7 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
         cur = _C.capabilities()
         _C.configure(
             cur["threads"] if threads is None else _thread_count(threads),
-            cur["pinned"] if pin is None else bool(pin),
+            cur["pinned"] if pin is None else _on_off(pin, "pin"),
             (cur["kernels"] or "") if kernels is None else kernels,
             cur["tile_min_rows"] if tile_min_rows is None else _whole(
                 tile_min_rows, "tile_min_rows", 0, 2**31 - 1, "it takes a whole number of rows from 1 to 2**31 - 1 "
@@ -83,6 +83,12 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
 
 
 _configuring = threading.Lock()
+
+
+def _on_off(value, name: str) -> bool:
+    if value not in (True, False) or not isinstance(value, (bool, int)):  # bool("0") would be True
+        raise ValueError(f"{name}={value!r} is neither True nor False.")
+    return bool(value)
 
 
 def set_kernels(name: str | None) -> None:

@@ -71,13 +71,13 @@ void route(const View& idx, const View& w, int E, Saved& sv) {
     ++sv.offset[e + 1];
   }
   for (int e = 0; e < E; ++e) sv.offset[e + 1] += sv.offset[e];
-  std::vector<int> fill(sv.offset.begin(), sv.offset.end() - 1);
+  std::vector<long> fill(sv.offset.begin(), sv.offset.end() - 1);
   sv.slot_token.resize(size_t(T) * K);
   sv.slot_w.resize(size_t(T) * K);
   sv.slot_of.resize(size_t(T) * K);
   sv.slot_src.resize(size_t(T) * K);
   for (long i = 0; i < long(T) * K; ++i) {
-    int s = fill[id[i]]++;
+    const int s = int(fill[id[i]]++);
     sv.slot_token[s] = int(i / K);
     sv.slot_src[s] = int(i);
     sv.slot_w[s] = wt[i];

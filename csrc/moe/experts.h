@@ -68,7 +68,10 @@ struct BackwardCopy {
 // projections. Nothing here aliases the shared scratch.
 struct Saved {
   int T = 0, K = 0;
-  std::vector<int> offset, slot_token, slot_src, slot_of;  // [E+1], [N], [N] (its t·K + k), [T*K]
+  // offset: each expert's first slot, long so that slot × row width (r, I, H) never overflows; slot indices
+  // themselves fit int (the Python layer refuses T·K ≥ 2^31).
+  std::vector<long> offset;  // [E+1]
+  std::vector<int> slot_token, slot_src, slot_of;  // [N], [N] (its t·K + k), [T*K]
   std::vector<float> slot_w;
   SavedBuffer g, u, z[3];
   size_t bytes = 0;

@@ -130,6 +130,9 @@ class ExpertWeight(nn.Parameter):
         working = self.__dict__.get("_working")
         state = (self._version, _optimizer_steps[0])
         if working is not None and self.__dict__["_synced"] != state:
+            if self.shape != working.shape:  # copy_ would broadcast it over every expert
+                raise RuntimeError(f"the float32 master of an expert weight now has shape {tuple(self.shape)}, not "
+                                   f"{tuple(working.shape)}; change its values in place, not its shape.")
             with torch.no_grad():
                 working.copy_(self)
             self.__dict__["_synced"] = state
@@ -229,11 +232,21 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     # Both run on every forward; until some expert weight in the process takes a float32 master (which installs
     # the step hook) they cost a decode step no more than reading the two pointers.
-    def _weights_read(self) -> tuple[int, int]:
+    def _weights_read(self) -> tuple:
+        """Where the engine reads the expert weights (and FP8/INT4 scales): each one's address, storage bytes and
+        shape. Anything else than at construction means a weight was replaced (`.data =`, a storage freed or
+        resized), and the engine would read freed memory."""
         gate_up, down = self._parameters.get("gate_up_proj"), self._parameters.get("down_proj")
         if gate_up is None or down is None or _step_hook:
             gate_up, down = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
-        return gate_up.data_ptr(), down.data_ptr()
+        weights = (gate_up, down, getattr(self, "gate_up_scale", None), getattr(self, "down_scale", None))
+        return tuple((t.data_ptr(), t.untyped_storage().nbytes(), t.shape) for t in weights if t is not None)
+
+    def check_weights_in_place(self) -> None:
+        if self._weights_read() != self._engine_weights:
+            raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors (or their storage "
+                               "freed or resized); the engine reads them in place, so update them in place "
+                               "(copy_(...) under torch.no_grad(), or an optimizer step) instead.")
 
     def _sync_weights(self) -> None:
         if _step_hook:
@@ -343,6 +356,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         r = int(r)
         if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
             raise ValueError(f"LoRA alpha must be a finite number, got {alpha!r}.")
+        if abs(lora_scale(r, alpha, use_rslora)) > torch.finfo(torch.float32).max:  # the engine's scale is float32
+            raise ValueError(f"LoRA alpha {alpha!r} at rank {r} gives a scale beyond float32's range; use a smaller "
+                             "alpha.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}.")
         unknown = set(projections) - set(PROJECTIONS)
@@ -367,6 +383,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             if init is False:
                 b.uniform_(-1.0 / math.sqrt(r), 1.0 / math.sqrt(r))
             A[p], B[p] = nn.Parameter(a), nn.Parameter(b)
+        # The first adapter is the one applied, as PEFT's layers do (PEFT keeps a list of active adapters here).
+        if isinstance(self._active_adapter, str) and self._active_adapter not in self.lora_A:
+            self._active_adapter = adapter
         self.lora_A[adapter], self.lora_B[adapter] = A, B
         self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
         self.lora_dropout_p[adapter] = float(dropout)
@@ -562,10 +581,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             return param.grad
 
     def _check(self, hidden_states, top_k_index, top_k_weights):
-        if self._weights_read() != self._engine_weights:
-            raise RuntimeError("the expert weights of this KTExperts were replaced by other tensors; the engine reads "
-                               "them in place, so update them in place (param.copy_(...) under torch.no_grad(), "
-                               "param.data = ..., or an optimizer step) instead of assigning new tensors.")
+        self.check_weights_in_place()
         for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
                         ("top_k_weights", top_k_weights)):
             if t.is_meta:
@@ -581,6 +597,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                              f"must both be [T={T}, K].")
+        if max(T, top_k_index.numel()) >= 2**31:
+            raise ValueError(f"this call routes {T} tokens to {top_k_index.shape[1]} experts each; the engine numbers "
+                             "tokens and their routed copies with 32-bit integers (fewer than 2**31 of each): split "
+                             "the tokens into chunks.")
         if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
             raise ValueError(f"top_k_index is {top_k_index.dtype}; it must hold integer expert ids.")
         if not top_k_weights.dtype.is_floating_point:

@@ -254,6 +254,7 @@ class EngineResult(torch.autograd.Function):
                                "autograd, so a backward with create_graph=True (double backward, Hessian-vector "
                                "products) would silently miss the routed experts' terms; run it with "
                                "create_graph=False.")
+        module.check_weights_in_place()  # replaced since the forward: the engine would read freed memory
         if _versions(*call.weights, call.lora_params) != call.versions:
             raise RuntimeError("KTExperts: an expert weight or LoRA matrix was changed in place between this forward "
                                "and its backward (an optimizer step or a LoRA merge before backward), so the backward "

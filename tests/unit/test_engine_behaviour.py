@@ -176,9 +176,12 @@ def module():
         (lambda x, i, w: (x, i, w.long()), "floating-point"),
         (lambda x, i, w: (x.to("meta"), i, w), "hidden_states is a meta tensor"),
         (lambda x, i, w: (x, i, w.to("meta")), "top_k_weights is a meta tensor"),
+        # 2**30 tokens × 2 experts (expanded, no memory): past the engine's 32-bit slot numbers.
+        (lambda x, i, w: (x[:1].expand(2**30, -1), i[:1, :2].expand(2**30, -1), w[:1, :2].expand(2**30, -1)),
+         "32-bit integers"),
     ],
     ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "negative_index",
-         "int_weights", "meta_hidden", "meta_weights"],
+         "int_weights", "meta_hidden", "meta_weights", "too_many_slots"],
 )
 def test_bad_inputs_raise_clear_errors(module, mutate, match):
     x, idx, w, _ = inputs(SHAPE)
@@ -533,6 +536,46 @@ def test_data_assignment_keeps_weights_in_place_and_replacement_is_refused(modul
     module.down_proj = torch.nn.Parameter(module.down_proj.detach().clone())
     with pytest.raises(RuntimeError, match="replaced by other tensors"):
         module(x, idx, w)
+
+
+@pytest.mark.parametrize("when", ["before_forward", "before_backward"])
+@pytest.mark.parametrize("change", ["scale_replaced", "codes_replaced", "storage_freed", "resized"])
+def test_weights_whose_memory_the_engine_no_longer_owns_are_refused(when, change):
+    # Each had the engine read freed memory (a segfault, or values ~1e12): the scales were not watched, and a
+    # backward checked version counters only, which `.data =` and a storage's resize_ do not bump.
+    m = make_module(SHAPE, lora=True, expert_format="bf16" if change in ("storage_freed", "resized") else "int4")
+    x, idx, w, g = inputs(SHAPE)
+
+    def apply():
+        if change == "scale_replaced":
+            m.gate_up_scale.data = m.gate_up_scale.data.clone()
+        elif change == "codes_replaced":
+            m.down_proj.data = m.down_proj.data.clone()
+        elif change == "storage_freed":
+            m.gate_up_proj.untyped_storage().resize_(0)
+        else:
+            with torch.no_grad():
+                m.down_proj.resize_(1, 1, 1)
+
+    if when == "before_forward":
+        apply()
+        with pytest.raises(RuntimeError, match="replaced by other tensors"):
+            m(x, idx, w)
+    else:
+        y = m(x.requires_grad_(), idx, w)
+        apply()
+        with pytest.raises(RuntimeError, match="replaced by other tensors"):
+            y.backward(g)
+
+
+def test_lora_settings_that_would_go_wrong_silently_are_refused_or_applied():
+    m = make_module(SHAPE, lora=False)
+    with pytest.raises(ValueError, match="beyond float32's range"):  # the engine's scale is float32: it was inf
+        m.add_lora(2, 1e39)
+    m.add_lora(2, 4.0, adapter="foo", init=False)  # the first adapter of a plain KTExperts is applied (it was not)
+    assert m.active_lora() == "foo"
+    with pytest.raises(ValueError, match="pin='0' is neither True nor False"):  # bool("0") had turned pinning on
+        kt_sft.configure(pin="0")
 
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused", "for_loop"])
