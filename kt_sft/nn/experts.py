@@ -416,6 +416,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             _lora_on_gpu.setdefault(self, next(_placed))
         else:
             _lora_on_gpu.pop(self, None)
+            if moving:
+                self._gpu_lora.release()
 
     def _lora_matrices(self) -> list:
         """Every adapter's A and B matrices."""

@@ -82,7 +82,10 @@ class GpuLora:
     def _entry(table, param: torch.Tensor) -> tuple:
         entry = table.get(param)
         if entry is None or entry[0].shape != param.shape:
-            entry = table[param] = (torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
+            # Made by whichever call comes first: under inference_mode (a generation before training) a buffer
+            # would be an inference tensor, which every later copy into it outside that mode refuses.
+            with torch.inference_mode(False):
+                entry = table[param] = (torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
         return entry
 
     def _copy_changed(self, params, optimizer_steps: int) -> list:
@@ -116,6 +119,13 @@ class GpuLora:
         for event in self._prefetched:
             event.synchronize()
         self._prefetched = []
+
+    def release(self) -> None:
+        """Frees the pinned buffers (8 bytes per LoRA value) once the matrices are back in host RAM, after the
+        copies in flight (an upload's pinned source is kept by torch's host allocator until its copy is done)."""
+        self.settle()
+        self._copies.clear()
+        self._grads.clear()
 
     def engine_tensors(self, params, optimizer_steps: int) -> list:
         """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others)."""

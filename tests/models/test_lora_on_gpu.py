@@ -99,6 +99,19 @@ def test_lora_follows_the_model_to_its_gpu_and_back(monkeypatch, order):
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in expert_lora(model))
     model.cpu()
     assert all(p.device.type == "cpu" for p in expert_lora(model))
+    assert all(not m._gpu_lora._copies and not m._gpu_lora._grads for m in experts)  # pinned buffers freed
+
+
+@needs_cuda
+def test_a_forward_under_inference_mode_before_training_leaves_usable_copies(monkeypatch):
+    # The host copies were made by the first call: under inference_mode they were inference tensors, and the
+    # optimizer step's prefetch into them raised (after the parameters had changed).
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    cuda = torch.device("cuda")
+    model = lora_model().to(cuda)
+    with torch.inference_mode():
+        model(input_ids=batch(0, cuda))
+    assert len(train(model, cuda, steps=2, accumulation=1)) == 2
 
 
 @needs_cuda
