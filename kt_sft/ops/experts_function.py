@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .._ext import view
+from .kept_forward import recomputing
 from .timing import add_engine_seconds, engine_timer, uncounted
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
@@ -178,6 +179,7 @@ class EngineCall:
         self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
         self.xc = self.lora32 = self.out = self.saved = self.running = self.grads = None
         self.backward_work = None  # what the backward runs while its engine computes (beside_backward)
+        self.deferred = None  # (idx, w) of a forward whose engine starts in EngineResult (StartEngine.forward)
 
 
 class StartEngine(torch.autograd.Function):
@@ -189,6 +191,12 @@ class StartEngine(torch.autograd.Function):
         kept = module.take_kept(xc, idx, w, lora_params, call.lora)  # gradient checkpointing's recompute
         if kept is not None:
             call.out, call.saved = kept.out, kept.saved
+        elif recomputing():
+            # A recompute without a kept pass, most likely non-reentrant checkpointing's: its first pass ran with
+            # grad, and its own call holds what the backward needs. The engine runs when EngineResult's forward
+            # asks for the result, which that recompute's early stop never does where nothing after the experts
+            # saves tensors for backward (the experts themselves save none under the checkpoint's hooks).
+            call.deferred = idx, w
         else:
             call.out, call.running = start_forward(module.engine, xc, idx, w, r, scale, call.lora32, save=True,
                                                    device=x.device, dropout=dropout, now=not call.concurrent)
@@ -232,18 +240,23 @@ class StartEngine(torch.autograd.Function):
 class EngineResult(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, _token):
+        dev, dt = call.x_meta
+        if call.deferred is not None:
+            (idx, w), call.deferred = call.deferred, None
+            r, scale, dropout = call.lora
+            call.out, call.running = start_forward(call.module.engine, call.xc, idx, w, r, scale, call.lora32,
+                                                   save=True, device=dev, dropout=dropout)
         if call.running is not None:
             call.saved = call.running.wait()
             call.running = None
         ctx.call = call
-        ctx.save_for_backward(call.xc)
-        out, call.xc, call.out = call.out, None, None  # xc held for backward by autograd only (saved-tensor hooks)
-        dev, dt = call.x_meta
+        # The call holds xc for the backward, not autograd's saved tensors: under a checkpoint's saved-tensor hooks
+        # a saved xc would be dropped and its recompute would run the engine's forward again.
+        out, call.out = call.out, None
         return to_caller(out, dev, dt)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (xc,) = ctx.saved_tensors
         call = ctx.call
         module = call.module
         if call.saved is None:
@@ -261,7 +274,8 @@ class EngineResult(torch.autograd.Function):
                                "would mix the forward's activations with other weights; call backward before "
                                "changing them, or run the forward again after.")
         try:
-            start_backward(call, xc, grad_out)
+            start_backward(call, call.xc, grad_out)
+            call.xc = None  # the engine's call holds it until it is done
         except BaseException:
             module.drop_lora_grads(call)
             raise

@@ -3,7 +3,7 @@
 Policy (README "Gradient checkpointing"): a checkpointed layer reruns its forward in backward. Reentrant
 checkpointing runs the first forward without grad: the engine keeps that pass, and the recompute takes it
 (kt_sft/ops/kept_forward.py) unless KT_SFT_RECOMPUTE_EXPERTS=1; non-reentrant keeps the engine's saved g/u from
-the first forward until backward.
+the first forward until backward, and its recompute stops before it would need the engine's result.
 """
 import pytest
 import torch
@@ -16,8 +16,8 @@ from tiny_models import tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
-def grads(gc_kwargs, dropout=0.0, engine_layers=None, device="cpu"):
-    model = tiny_model("qwen3_moe")
+def grads(gc_kwargs, dropout=0.0, engine_layers=None, device="cpu", model_type="qwen3_moe"):
+    model = tiny_model(model_type)
     use_cpu_experts(model)
     if engine_layers is not None:
         engine_layers.append(sum(isinstance(m, KTExperts) for m in model.modules()))
@@ -65,5 +65,21 @@ def test_reentrant_checkpointing_runs_the_engine_forward_once_per_layer(recomput
     calls.clear()
     ckpt = grads({"use_reentrant": True}, 0.2, layers, device)
     assert len(calls) == layers[0] * (2 if recompute else 1)
+    for name, g in plain.items():
+        assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])  # DeepSeek: shared experts beside the engine
+def test_non_reentrant_checkpointing_runs_the_engine_forward_once_per_layer(model_type, device, monkeypatch):
+    # Its recompute (what transformers' gradient_checkpointing_enable() does by default) had run every layer's
+    # engine forward a second time, for a result nothing used.
+    calls, layers = [], []
+    real = function_module.start_forward
+    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = grads(None, 0.2, device=device, model_type=model_type)
+    calls.clear()
+    ckpt = grads({"use_reentrant": False}, 0.2, layers, device, model_type)
+    assert len(calls) == layers[0]
     for name, g in plain.items():
         assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
