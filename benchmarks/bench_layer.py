@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import platform
@@ -103,17 +104,24 @@ def train_step_ms(fwd, bwd, drop, reps: int) -> tuple[float, float]:
     return statistics.median(fwd_times[1:]), statistics.median(bwd_times[1:])
 
 
-def inference_ms(m, x, idx, w, reps: int) -> float:
-    """Median ms of m's inference forward, in eval mode as inference runs (a no-grad forward in training mode
-    keeps its pass for gradient checkpointing's recompute, which costs more and which the next training
-    forward with the same inputs would take instead of running the engine)."""
+def inference_ms(m, inputs, reps: int) -> float:
+    """Median ms of m's inference forward on inputs() (each call's x, idx, w), in eval mode as inference runs (a
+    no-grad forward in training mode keeps its pass for gradient checkpointing's recompute, which costs more and
+    which the next training forward with the same inputs would take instead of running the engine)."""
     was_training = m.training
     m.eval()
     try:
         with torch.no_grad():
-            return median_ms(lambda: m(x, idx, w), reps)
+            return median_ms(lambda: m(*inputs()), reps)
     finally:
         m.train(was_training)
+
+
+def decode_ms(m, H, E, K, reps: int) -> float:
+    """inference_ms of one token, each call on another of 64 routes, as decode steps go: one route over and over
+    had its experts' weights partly in the caches (shape S read above the RAM's rate)."""
+    routes = itertools.cycle([make_inputs(1, H, E, K, seed=3 + i) for i in range(64)])
+    return inference_ms(m, lambda: next(routes), reps)
 
 
 def make_layer(E, H, I, r, seed=0):
@@ -198,7 +206,7 @@ def with_backward_copy(step):
 def ours_extras(m, step, x, idx, w, reps, phases=False):
     """Ours' inference forward on module m and, with `phases`, the engine's time per phase over training steps
     of its own (so that the profile's clock reads stay out of the timed steps)."""
-    res = dict(infer=inference_ms(m, x, idx, w, reps))
+    res = dict(infer=inference_ms(m, lambda: (x, idx, w), reps))
     if phases:
         fwd, bwd, drop_grads = step
         timing.profile_engine_phases(True)
@@ -216,9 +224,11 @@ def torch_step(gu, dn, x, idx, w, r):
     """The PyTorch BF16 per-expert loop's training step: (fwd, bwd, drop_grads)."""
     E, H, I = dn.shape[0], dn.shape[1], dn.shape[2]
     g = torch.Generator().manual_seed(2)
-    A = {p: (torch.randn(E, r, d, generator=g) * 0.01).bfloat16().requires_grad_()
+    # Per-expert LoRA leaves, as a per-expert PyTorch model holds them: slices of one stacked leaf made every
+    # backward zero-fill and add up a whole [E, r, d] gradient per expert and projection (~half its time).
+    A = {p: [(torch.randn(r, d, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
          for p, d in (("gate", H), ("up", H), ("down", I))}
-    B = {p: (torch.randn(E, d, r, generator=g) * 0.01).bfloat16().requires_grad_()
+    B = {p: [(torch.randn(d, r, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
          for p, d in (("gate", I), ("up", I), ("down", H))}
     lora = LoraWeights(A, B, 2.0)
     xg = x.clone().requires_grad_()
@@ -230,7 +240,7 @@ def torch_step(gu, dn, x, idx, w, r):
         state["y"] = moe_experts_reference(xg, idx, wg, gu, dn, lora)
 
     def drop_grads():
-        for t in [xg, wg, *A.values(), *B.values()]:
+        for t in [xg, wg, *(t for table in (A, B) for ts in table.values() for t in ts)]:
             t.grad = None
 
     return fwd, lambda: state["y"].backward(gout), drop_grads
@@ -354,10 +364,9 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
     for fmt, (m, q) in modules.items():
         res["ours"][fmt].update(ours_extras(m, steps[f"ours {fmt}"], x, idx, w, reps, phases))
         if "decode" not in skip and fmt != "bf16+copy":  # inference reads no copy
-            xd, idxd, wd = make_inputs(1, H, E, K, seed=3)
             md = experts_module(gu, dn, q)
             md.add_lora(r, 2 * r)
-            ms = inference_ms(md, xd, idxd, wd, max(reps, 20))
+            ms = decode_ms(md, H, E, K, max(reps, 20))
             res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
         if "rss" not in skip:
             res["rss"][fmt] = rss_probe(E, H, I, K, x.shape[0], r, fmt)

@@ -23,7 +23,7 @@ def bench_ours(m, x, idx, w, r, reps):
     """Ours' training step (median forward and backward ms) and inference forward on module m, LoRA of rank r."""
     fwd, bwd, drop = ours_step(m, x, idx, w, r)
     f, b = train_step_ms(fwd, bwd, drop, reps)
-    return dict(fwd=f, bwd=b, infer=inference_ms(m, x, idx, w, reps))
+    return dict(fwd=f, bwd=b, infer=inference_ms(m, lambda: (x, idx, w), reps))
 
 
 def main():

@@ -19,7 +19,8 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class LoraWeights(NamedTuple):
-    """Stacked LoRA of one layer's experts: A[p] [E, r, in_p], B[p] [E, out_p, r]; None where absent. With
+    """Stacked LoRA of one layer's experts: A[p] [E, r, in_p], B[p] [E, out_p, r] (or lists of E per-expert
+    matrices); None where absent. With
     dropout > 0, A sees its input times lora_dropout_keep(seed, ...) (training)."""
 
     A: dict
@@ -83,7 +84,7 @@ def moe_experts_reference(
         y = h @ down[e].T
         if lora is not None:
             y = y + _lora(lora, "down", e, h, rows)
-        out = out.index_add(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
+        out.index_add_(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
     return out
 
 
