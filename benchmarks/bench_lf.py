@@ -31,8 +31,10 @@ from kt_sft.integrations.demo import write_tokenizer, yaml_text
 from kt_sft.integrations.prepare import prepare
 
 STEP = re.compile(r"kt_sft step \d+: (\d+) ms = CPU experts forward (\d+) \+ backward (\d+) \+ transfers (\d+) "
-                  r"\+ GPU wait (\d+) \+ rest (-?\d+) .*?(?:GPU peak ([\d.]+) GiB, )?host RSS ([\d.]+) GiB")
-FIELDS = ("step", "forward", "backward", "transfers", "gpu wait", "rest", "GPU peak GiB", "host RSS GiB")
+                  r"\+ GPU wait (\d+) \+ rest (-?\d+) .*?(?:GPU peak ([\d.]+) GiB allocated, ([\d.]+) reserved, )?"
+                  r"host RSS ([\d.]+) GiB")
+FIELDS = ("step", "forward", "backward", "transfers", "gpu wait", "rest", "GPU peak GiB", "GPU reserved GiB",
+          "host RSS GiB")
 
 
 def write_checkpoint(out: Path, layers: int, quick_init: bool) -> None:
@@ -97,17 +99,22 @@ def main():
         sys.exit(f"llamafactory-cli train failed (rc {run.returncode}, {len(lines)} step lines); its output is in "
                  f"{work / 'train.log'}")
     med = {k: statistics.median(float(v[i] or "nan") for v in lines[2:]) for i, k in enumerate(FIELDS)}
-    engine = med["forward"] + med["backward"]
+    # Step over engine time from sums over whole optimizer steps: with accumulation the clipping and optimizer
+    # fall in one micro-batch of each step, which a median over micro-batches would leave out.
+    whole = lines[2:][:len(lines[2:]) // args.grad_accum * args.grad_accum] or lines[2:]
+    total = {k: sum(float(v[i] or "nan") for v in whole) for i, k in enumerate(FIELDS)}
+    ratio = total["step"] / (total["forward"] + total["backward"])
     print(f"llamafactory-cli train: Qwen3-30B-A3B shape, {args.layers} of 48 layers, seq {args.seq}, LoRA r16 "
           f"(attention + every routed expert), grad accumulation {args.grad_accum}; medians of micro-batches "
-          f"3..{len(lines) + 1} (the profile reports from the second)"
+          f"3..{len(lines)} (the profile's lines cover micro-batches 1..{len(lines)})"
           f"{'; no gradient checkpointing' if args.no_checkpointing else ''}")
     print(f"micro-batch {med['step']:.0f} ms, {args.seq / med['step'] * 1e3:.0f} tokens/s; GPU peak "
-          f"{med['GPU peak GiB']:.2f} GiB; host RSS {med['host RSS GiB']:.1f} GiB")
+          f"{med['GPU peak GiB']:.2f} GiB allocated, {med['GPU reserved GiB']:.2f} reserved; host RSS "
+          f"{med['host RSS GiB']:.1f} GiB")
     recompute = "" if args.no_checkpointing else " (incl. recompute)"
     print(f"CPU engine forward {med['forward']:.0f}{recompute} + backward {med['backward']:.0f} ms, "
           f"transfers {med['transfers']:.0f}, GPU wait {med['gpu wait']:.0f}, rest {med['rest']:.0f} ms; "
-          f"step / CPU engine time {med['step'] / engine:.2f}")
+          f"step / CPU engine time {ratio:.2f} (sums over {len(whole)} micro-batches)")
 
 
 if __name__ == "__main__":

@@ -149,7 +149,8 @@ def main():
     print(f"mode {args.mode}: {args.arch}, {args.layers} layers, seq {args.seq}, LoRA r{args.rank}, targets {targets}, "
           f"{args.optim} AdamW")
     print(f"step {step_s * 1e3:.0f} ms, {args.seq / step_s:.0f} tokens/s; GPU max allocated "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB; host RSS {host_rss_gib():.1f} GiB "
+          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (reserved {torch.cuda.max_memory_reserved() / 2**30:.2f}, "
+          f"the CUDA context on top); host RSS {host_rss_gib():.1f} GiB "
           f"(peak {host_rss_gib('VmHWM'):.1f}); "
           f"GPU allocator's driver calls while timed {driver_calls}")
     if args.mode == "kt":

@@ -111,17 +111,26 @@ int main(int argc, char** argv) {
     weights.push_back(std::make_unique<Weights>(format, s, rng));
     experts.push_back(std::make_unique<MoeExperts>(int(s.E), int(s.H), int(s.I), weights.back()->views));
   }
-  std::vector<float> A[3], B[3];
-  Lora lora;
-  lora.r = int(s.r);
-  lora.scale = 2.f;
+  // One LoRA per format: called in turn on the same route, a shared one would be in cache for every format but
+  // the first (8 experts' LoRA at Layer Q: 4.3 MB), which each reads from RAM in a model. B is zero: the
+  // products run all the same, and the outputs stay the base's.
+  struct LoraStore {
+    std::vector<float> A[3], B[3];
+    Lora lora;
+  };
+  std::vector<std::unique_ptr<LoraStore>> loras;
   const long in[3] = {s.H, s.H, s.I}, out[3] = {s.I, s.I, s.H};
-  for (int p = 0; p < 3; ++p) {
-    A[p].resize(s.E * s.r * in[p]);
-    for (auto& x : A[p]) x = float(int(rng() % 200) - 100) * 1e-4f;
-    B[p].assign(s.E * out[p] * s.r, 0.f);
-    lora.A[p] = view(A[p].data(), DType::f32, {s.E, s.r, in[p]});
-    lora.B[p] = view(B[p].data(), DType::f32, {s.E, out[p], s.r});
+  for (size_t f = 0; f < formats.size(); ++f) {
+    auto& l = *loras.emplace_back(std::make_unique<LoraStore>());
+    l.lora.r = int(s.r);
+    l.lora.scale = 2.f;
+    for (int p = 0; p < 3; ++p) {
+      l.A[p].resize(s.E * s.r * in[p]);
+      for (auto& x : l.A[p]) x = float(int(rng() % 200) - 100) * 1e-4f;
+      l.B[p].assign(s.E * out[p] * s.r, 0.f);
+      l.lora.A[p] = view(l.A[p].data(), DType::f32, {s.E, s.r, in[p]});
+      l.lora.B[p] = view(l.B[p].data(), DType::f32, {s.E, out[p], s.r});
+    }
   }
   std::vector<bf16> x(T * s.H), y(T * s.H);
   for (auto& v : x) v = f32_to_bf16(float(int(rng() % 200) - 100) * 0.01f);
@@ -144,8 +153,8 @@ int main(int argc, char** argv) {
   auto call = [&](size_t f, std::vector<int64_t>& route) {
     const double t0 = now();
     experts[f]->forward(view(x.data(), DType::bf16, {T, s.H}), view(route.data(), DType::i64, {T, s.K}),
-                        view(route_w.data(), DType::f32, {T, s.K}), view(y.data(), DType::bf16, {T, s.H}), lora,
-                        false);
+                        view(route_w.data(), DType::f32, {T, s.K}), view(y.data(), DType::bf16, {T, s.H}),
+                        loras[f]->lora, false);
     return (now() - t0) * 1e3;
   };
   auto median = [](std::vector<double> v) {

@@ -55,7 +55,9 @@ class StepProfile:
     def report(self, wall: float, engine: dict, phases: dict) -> None:
         ms = {k: v * 1e3 for k, v in engine.items()}
         rest = wall * 1e3 - sum(ms.values())
-        gpu = f"GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, " if torch.cuda.is_initialized() else ""
+        # Allocated: the tensors' peak; reserved: what the caching allocator holds (the CUDA context comes on top).
+        gpu = (f"GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated, "
+               f"{torch.cuda.max_memory_reserved() / 2**30:.2f} reserved, " if torch.cuda.is_initialized() else "")
         print(f"kt_sft step {self.cycles}: {wall * 1e3:.0f} ms = CPU experts forward {ms['forward']:.0f} + backward "
               f"{ms['backward']:.0f} + transfers {ms['transfer']:.0f} + GPU wait {ms['gpu']:.0f} + rest {rest:.0f} "
               f"(optimizer, Python, data); {gpu}host RSS {host_rss_gib():.1f} GiB", file=self.out or sys.stderr,
