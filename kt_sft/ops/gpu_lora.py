@@ -74,26 +74,28 @@ class GpuLora:
     (keyed by the matrix itself, weakly: a load that replaces the matrices frees the old buffers)."""
 
     def __init__(self):
-        self._copies = WeakIdKeyDictionary()  # param -> (pinned copy, state it was taken at)
+        self._copies = WeakIdKeyDictionary()  # param -> (pinned copy, state it was taken at, event of that copy)
         self._grads = WeakIdKeyDictionary()  # param -> (pinned grad buffer, event of its last upload or None)
         self._prefetched: list = []  # the events of prefetch's latest copies (a stream's later event covers earlier)
 
     @staticmethod
-    def _entry(table, param: torch.Tensor) -> tuple:
+    def _entry(table, param: torch.Tensor, *empty) -> tuple:
+        """param's entry in table, made (a pinned float32 buffer of its shape, then `empty`) where it has none."""
         entry = table.get(param)
         if entry is None or entry[0].shape != param.shape:
             # Made by whichever call comes first: under inference_mode (a generation before training) a buffer
             # would be an inference tensor, which every later copy into it outside that mode refuses.
             with torch.inference_mode(False):
-                entry = table[param] = (torch.empty(param.shape, dtype=torch.float32, pin_memory=True), None)
+                entry = table[param] = (torch.empty(param.shape, dtype=torch.float32, pin_memory=True), *empty)
         return entry
 
     def _copy_changed(self, params, optimizer_steps: int) -> list:
         """Queues the copies of the params that changed since their last one; returns events that tell when
-        they are done."""
+        they are done. Each copy's entry keeps its event too: a thread that finds the copy already queued by
+        another (inference from several threads) waits for it there."""
         changed = {}  # param -> its state now: recorded once its copy is queued, so that a copy an error cut
         for p in params:  # short is queued again by the next call, not taken for done
-            copy, state = self._entry(self._copies, p)
+            copy, state, _ = self._entry(self._copies, p, None, None)
             now = (p.data_ptr(), p._version, optimizer_steps)
             if state != now:
                 changed[p] = now
@@ -101,12 +103,14 @@ class GpuLora:
         for device in {p.device for p in changed}:
             stream = _queue_on_side(device)
             with torch.cuda.stream(stream):
-                for p, now in changed.items():
+                for p in changed:
                     if p.device == device:
-                        copy = self._copies[p][0]
-                        copy.copy_(p.detach(), non_blocking=True)
-                        self._copies[p] = (copy, now)
-            events.append(stream.record_event())
+                        self._copies[p][0].copy_(p.detach(), non_blocking=True)
+            event = stream.record_event()
+            for p, now in changed.items():
+                if p.device == device:
+                    self._copies[p] = (self._copies[p][0], now, event)
+            events.append(event)
         return events
 
     def prefetch(self, params, optimizer_steps: int) -> None:
@@ -128,15 +132,18 @@ class GpuLora:
         self._grads.clear()
 
     def engine_tensors(self, params, optimizer_steps: int) -> list:
-        """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others)."""
-        for event in self._prefetched + self._copy_changed(params, optimizer_steps):
-            event.synchronize()
-        self._prefetched = []
-        return [self._copies[p][0] for p in params]
+        """The float32 CPU tensors the engine reads for params (GPU matrices; the caller converts the others),
+        once their copies are done, whichever call queued them."""
+        self._copy_changed(params, optimizer_steps)
+        entries = [self._copies[p] for p in params]
+        for _, _, event in entries:
+            if event is not None:
+                event.synchronize()
+        return [copy for copy, _, _ in entries]
 
     def grad_buffer(self, param: torch.Tensor) -> torch.Tensor:
         """The pinned buffer the engine writes param's grad into, once its previous upload is done."""
-        buf, uploaded = self._entry(self._grads, param)
+        buf, uploaded = self._entry(self._grads, param, None)
         if uploaded is not None:
             uploaded.synchronize()
         return buf

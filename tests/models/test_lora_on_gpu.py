@@ -303,3 +303,19 @@ def test_two_threads_backward_through_the_gpu_lora_sum_their_grads(monkeypatch):
         assert not errors
         for p, one, two in zip(params, *alone):
             assert rel_l2(p.grad, one + two) <= GPU_VS_CPU
+
+
+@needs_cuda
+def test_a_copy_another_call_queued_is_waited_for():
+    # Inference from several threads: one call queued a changed matrix's copy and recorded it as taken; another,
+    # finding nothing changed, handed the engine the buffer while the copy was still in flight.
+    cuda = torch.device("cuda")
+    lora = gpu_lora.GpuLora()
+    p = torch.zeros(1 << 20, device=cuda)
+    lora.engine_tensors([p], 0)
+    p.add_(1)
+    with torch.cuda.stream(gpu_lora._queue_on_side(cuda)):
+        torch.cuda._sleep(int(2e8))  # holds back the copy queued next
+    lora._copy_changed([p], 0)  # the other thread's call: queued, not waited for
+    (copy,) = lora.engine_tensors([p], 0)
+    assert torch.equal(copy, torch.ones(1 << 20))
