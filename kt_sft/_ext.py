@@ -70,6 +70,8 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
               tile_min_rows: int | None = None) -> None:
     """Sets the engine's thread count, kernel set, pinning and the rows an expert needs in a call to use the
     tile (AMX) kernels (0: the measured default); unspecified values keep their current setting."""
+    if kernels is not None and not isinstance(kernels, str):
+        raise ValueError(f"kernels={kernels!r} is not a kernel set's name; choose from {', '.join(KERNEL_SETS)}.")
     with _configuring:  # two threads' calls would each keep the other's old value of what it leaves unspecified
         cur = _C.capabilities()
         _C.configure(

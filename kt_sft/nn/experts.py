@@ -206,6 +206,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError("KTExperts got expert weights on the meta device (shapes only, no values); load the "
                              "weights first (kt_sft.loader or from_pretrained) and build KTExperts from them.")
         E, two_i, H = gate_up_proj.shape
+        if max(E, two_i, H) >= 2**31:
+            raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)}: the engine takes experts, and rows and columns "
+                             "of their weights, fewer than 2**31 each.")
         if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
             raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
                              "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
@@ -595,6 +598,11 @@ class KTExperts(LoadsInPlace, nn.Module):
                              f"[T, {self.hidden_size}].")
         if not hidden_states.dtype.is_floating_point:
             raise ValueError(f"hidden_states is {hidden_states.dtype}; it must be a floating-point tensor.")
+        for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+            if t.layout != torch.strided or t.is_nested:
+                raise ValueError(f"{name} is a {t.layout} tensor; the CPU experts take dense (strided) tensors: "
+                                 "convert it with .to_dense().")
         T = hidden_states.shape[0]
         if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
@@ -659,6 +667,11 @@ class KTExperts(LoadsInPlace, nn.Module):
                     out = out.clone()
             return to_caller(out, hidden_states.device, hidden_states.dtype)
         return experts_call(self, hidden_states, top_k_index, top_k_weights, (r, scale, dropout), lora, beside)
+
+    def __reduce_ex__(self, protocol):
+        # pickle (torch.save of a whole model, multiprocessing) would fail on the engine with a bare TypeError.
+        raise TypeError("kt_sft's CPU experts cannot be pickled (torch.save of the model object); save the weights "
+                        "instead: the adapter with save_pretrained, or the model's state_dict.")
 
     def __deepcopy__(self, memo):
         # The engine (C++) holds these experts' weights and state; a copy would need a second engine over a second

@@ -53,12 +53,16 @@ def test_deep_copy_is_refused_with_what_to_do_instead(module):
     import copy
     with pytest.raises(TypeError, match="cannot be deep-copied; for a reference model"):
         copy.deepcopy(module)
+    import pickle
+    with pytest.raises(TypeError, match="cannot be pickled .*save the weights instead"):  # the engine's bare error
+        pickle.dumps(module)
 
 
 @pytest.mark.parametrize("settings, match", [
     ({"threads": 1.7}, "threads, a whole number"),
     ({"tile_min_rows": -5}, "whole number of rows"),
     ({"tile_min_rows": 2**40}, "whole number of rows"),
+    ({"kernels": 5}, "not a kernel set's name"),  # pybind's TypeError before
 ])
 def test_settings_that_are_not_whole_numbers_in_range_are_refused(settings, match):
     before = kt_sft.capabilities()
@@ -179,9 +183,10 @@ def module():
         # 2**30 tokens × 2 experts (expanded, no memory): past the engine's 32-bit slot numbers.
         (lambda x, i, w: (x[:1].expand(2**30, -1), i[:1, :2].expand(2**30, -1), w[:1, :2].expand(2**30, -1)),
          "32-bit integers"),
+        (lambda x, i, w: (x.to_sparse(), i, w), "hidden_states is a torch.sparse_coo tensor"),  # torch's error before
     ],
     ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "negative_index",
-         "int_weights", "meta_hidden", "meta_weights", "too_many_slots"],
+         "int_weights", "meta_hidden", "meta_weights", "too_many_slots", "sparse_hidden"],
 )
 def test_bad_inputs_raise_clear_errors(module, mutate, match):
     x, idx, w, _ = inputs(SHAPE)
