@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ext import _C, backward_copy_wanted, lora_on_gpu_wanted, require_settings, view
 from ..formats import EXPERT_FORMATS, QuantizedExperts
@@ -525,13 +526,14 @@ class KTExperts(LoadsInPlace, nn.Module):
             return (self._gpu_lora.grad_buffer(param), False) if fits else (None, False)
         if grad is not None:
             return (grad, True) if fits else (None, False)
-        buffers = self.__dict__.setdefault("_lora_grad_buffers", {})
-        buf = buffers.get(id(param))
+        # Keyed by the matrix, weakly: a deleted adapter's buffers go with it.
+        buffers = self.__dict__.setdefault("_lora_grad_buffers", WeakIdKeyDictionary())
+        buf = buffers.get(param)
         # Reused only when nothing but this dict holds it (the dict, `buf` and getrefcount's argument) or shares its
         # memory (a view, .detach(), .data): a grad that someone kept from an earlier step (gradient history, PCGrad)
         # stays theirs, as autograd's would.
         if buf is None or buf.shape != param.shape or sys.getrefcount(buf) > 3 or _memory_shared(buf):
-            buf = buffers[id(param)] = torch.empty_like(param)
+            buf = buffers[param] = torch.empty_like(param)
         return buf, False
 
     def hand_lora_grad(self, param: nn.Parameter, grad: torch.Tensor, call: object) -> None:

@@ -390,6 +390,18 @@ def test_a_grad_kept_from_an_earlier_step_is_left_alone(module, keep):
     assert A.grad.data_ptr() == buffer and torch.equal(A.grad, first)
 
 
+def test_the_lora_grad_buffers_of_a_deleted_adapter_are_freed(module):
+    # They were kept by the matrices' ids for the module's life.
+    x, idx, w, g = inputs(SHAPE)
+    module(x.requires_grad_(), idx, w).backward(g)
+    buffers = module.__dict__["_lora_grad_buffers"]
+    assert len(buffers) == 6
+    del module.lora_A["default"], module.lora_B["default"]
+    import gc
+    gc.collect()
+    assert len(buffers) == 0
+
+
 def test_two_threads_backward_through_one_module_sum_their_grads(module):
     # Both backwards find the LoRA grads None: each must not take the grad as its own (the later one's had
     # replaced the other's).
