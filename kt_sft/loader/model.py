@@ -56,11 +56,19 @@ _STORED_DTYPES = {
 }
 
 
+def _unquantized_expert(key: str, fmt: str) -> ValueError:
+    return ValueError(f"{key} is stored unquantized among the checkpoint's {fmt} experts (its quantization_config "
+                      "leaves some out, e.g. by an `ignore` list); kt_sft reads checkpoints whose routed experts are "
+                      "all in one format: dequantize this one to BF16 elsewhere first.")
+
+
 def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...]) -> ValueError:
     if fmt == "int4" and key.endswith(".weight_scale"):
         return ValueError(f"{key} is {dtype}; kt_sft reads INT4 group scales as BF16, as the RAWINT4 checkpoints "
                           "publish them, and would round these: requantize with BF16 scales, or prepare a BF16 "
                           "checkpoint with `--expert-format int4`.")
+    if fmt != "bf16" and key.endswith(".weight") and dtype in ("BF16", "F16", "F32"):
+        return _unquantized_expert(key, fmt)
     if fmt == "bf16" and dtype in ("F8_E4M3", "I32"):
         return ValueError(f"{key} is stored as {dtype}, but config.json has no quantization_config, so its values "
                           "would be read as plain numbers; restore the quantization_config the checkpoint was "
@@ -93,6 +101,9 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                 expected.update(keys)
                 for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
                     if key not in ckpt.shard_of:
+                        plain = arch.expert_key(layer, e, p)
+                        if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
+                            raise _unquantized_expert(plain, fmt)
                         raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
                                          f"layout ({fmt} experts) implies; check that config.json belongs to these "
                                          "weights.")

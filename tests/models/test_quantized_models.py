@@ -271,3 +271,21 @@ def test_a_bad_expert_value_names_its_layer(published, tmp_path):
     assert run(["prepare", str(src), str(tmp_path / "out"), "--expert-format", "int4"]) == 0
     with pytest.raises(ValueError, match="layer 1's routed experts: expert 3's up weight holds NaN or Inf"):
         load(tmp_path / "out")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_an_expert_left_unquantized_is_named(published, tmp_path, fmt):
+    # A quantization_config that leaves some experts out (an `ignore` list): refused as a dtype or key mismatch
+    # that blamed config.json before.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "mixed", fmt, model_type="kimi_k2" if fmt == "int4" else None)
+    base = "model.layers.1.mlp.experts.2.up_proj"
+
+    def unquantize(state):
+        shape = state[base + ".weight_shape"].tolist() if fmt == "int4" else list(state[base + ".weight"].shape)
+        for suffix in (".weight", ".weight_scale_inv", ".weight_packed", ".weight_scale", ".weight_shape"):
+            state.pop(base + suffix, None)
+        state[base + ".weight"] = torch.zeros(shape, dtype=torch.bfloat16)
+
+    _rewrite(src, unquantize)
+    with pytest.raises(ValueError, match=re.escape(base) + r"\.weight is stored unquantized among the checkpoint's"):
+        run(["prepare", str(src), str(tmp_path / "out")])
