@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from .. import configure
 from ..loader.model import load_hybrid_model
@@ -75,5 +76,9 @@ class KTSFTForCausalLM:
         # the stock class for auto-class saving and save_pretrained tries to copy transformers' own modeling file.
         if hasattr(model.config, "auto_map"):
             del model.config.auto_map
+        # What from_pretrained reads beside config.json (the prepared directory links it): the checkpoint's eos ids
+        # and sampling defaults, which a config-only generation config lacks (Qwen3's second eos id, for one).
+        if (Path(pretrained_model_name_or_path) / "generation_config.json").exists():
+            model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path)
         device = _single_device(kwargs.get("device_map"))
         return model.to(device) if device is not None else model

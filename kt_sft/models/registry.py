@@ -77,4 +77,10 @@ def architecture_of(config) -> MoEArchitecture:
     if act not in ("silu", "swish"):  # checked here so that loading a checkpoint refuses it too, not only patching
         raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only, so "
                          "kt_sft cannot train this model: use one whose experts use silu.")
+    if model_type == "deepseek_v2" and getattr(config, "topk_method", None) == "group_limited_greedy":
+        # transformers 5.6's DeepseekV2Moe reads self.num_experts on that path, which it never sets: the stock model
+        # fails at its first forward too.
+        raise ValueError("DeepSeek-V2 with topk_method 'group_limited_greedy' (the full model's routing) fails in "
+                         "transformers' DeepseekV2Moe (AttributeError: no num_experts), stock model included; "
+                         "kt_sft cannot serve it until transformers does (DeepSeek-V2-Lite's 'greedy' works).")
     return _REGISTRY[model_type]

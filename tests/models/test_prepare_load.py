@@ -66,6 +66,26 @@ def test_an_activation_other_than_silu_is_refused_before_reading_weights(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_deepseek_v2_group_limited_routing_is_refused():
+    # transformers 5.6's DeepseekV2Moe fails on that path at the first forward (stock too); prepare, which asks
+    # architecture_of as it does for hidden_act, had accepted it.
+    from kt_sft.models import architecture_of
+    with pytest.raises(ValueError, match="topk_method 'group_limited_greedy'.*fails in transformers"):
+        architecture_of(transformers.DeepseekV2Config(topk_method="group_limited_greedy"))
+    architecture_of(transformers.DeepseekV2Config(topk_method="greedy"))
+
+
+def test_the_checkpoints_generation_config_is_loaded(saved, tmp_path):
+    # A prepared model's generation config had been built from config.json alone: the checkpoint's eos ids and
+    # sampling defaults were lost (generate ran past the second eos id).
+    stock, src = saved("qwen3_moe")
+    transformers.GenerationConfig(eos_token_id=[5, 7], max_new_tokens=4, repetition_penalty=1.5).save_pretrained(src)
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
+    config = model.generation_config
+    assert (config.eos_token_id, config.max_new_tokens, config.repetition_penalty) == ([5, 7], 4, 1.5)
+
+
 def test_missing_shard_is_named(saved, tmp_path):
     _, src = saved("qwen3_moe")
     (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
