@@ -22,6 +22,7 @@ from ..models import architecture_of
 from ..models.patch import accept_per_expert_weights, overlap_with_the_engine
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
+from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
 from .quantization import (COMPANION_SUFFIXES, checkpoint_format, quantization_config_of, read_weight,
                            stored_shapes, weight_keys)
@@ -33,7 +34,7 @@ def experts_modules(model, arch):
     """(module path, layer index) of every experts module of the arch in the model."""
     out = []
     for name, module in model.named_modules():
-        if type(module).__name__ in arch.experts_classes:
+        if arch.holds_experts(module):
             m = _LAYER.search(name + ".")
             if not m:
                 raise ValueError(f"cannot tell the layer of experts module {name}.")
@@ -259,6 +260,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         raise ValueError(f"checkpoint keys {result.unexpected_keys[:3]} match no parameter of the "
                          f"{config.model_type} model; the checkpoint and config.json disagree.")
 
+    placed = []
     for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
         try:
@@ -268,8 +270,10 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
             raise ValueError(f"layer {layer}'s routed experts: {e}") from None
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, experts)
+        placed.append(experts)
 
     overlap_with_the_engine(model, arch)
+    WarnMissedExpertTargets(model, placed)
     if target == "bf16":
         accept_per_expert_weights(model, arch)
     if config.tie_word_embeddings:

@@ -84,22 +84,24 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU) and installs the GPU work
     that overlaps the engine (overlap_with_the_engine); returns how many experts modules."""
     from ..peft.layer import KTExpertsLinear
+    from ..peft.targets import WarnMissedExpertTargets
 
     require_one_process()
     require_settings()
     config = getattr(model, "config", None)
     arch = architecture_of(config)
-    replaced = 0
+    replaced = []
     for name, module in list(model.named_modules()):
-        if type(module).__name__ not in arch.experts_classes:
+        if not arch.holds_experts(module):
             continue
         parent_name, _, child = name.rpartition(".")
         experts = KTExpertsLinear(module.gate_up_proj.detach(), module.down_proj.detach(), train_base=train_base)
         setattr(model.get_submodule(parent_name), child, experts)
-        replaced += 1
+        replaced.append(experts)
     if not replaced:
         raise ValueError(f"no {' / '.join(arch.experts_classes)} module found in this {config.model_type} model; "
                          "its transformers version may name the experts class differently.")
     overlap_with_the_engine(model, arch)
     accept_per_expert_weights(model, arch)
-    return replaced
+    WarnMissedExpertTargets(model, replaced)
+    return len(replaced)

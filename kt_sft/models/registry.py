@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# Classes other libraries put in place of an architecture's experts class, with its weights' layout and its call:
+# Liger Kernel's (LLaMA-Factory's enable_liger_kernel swaps it in for the experts of the MoE models it patches).
+STAND_IN_EXPERTS = ("LigerExperts",)
+
+
 @dataclass(frozen=True)
 class MoEArchitecture:
     model_type: str
@@ -21,6 +26,11 @@ class MoEArchitecture:
     # the routed experts: they run on the GPU meanwhile (models/overlap.py). None: no shared experts, or the block
     # applies them first (Qwen2-MoE, whose router then waits for them on the same stream).
     shared_experts: str | None = None
+
+    def holds_experts(self, module) -> bool:
+        """Whether module is this architecture's experts module, or one another library put in its place."""
+        name = type(module).__name__
+        return name in self.experts_classes or name in STAND_IN_EXPERTS
 
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
         return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])

@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 import kt_sft
 from kt_sft.models import use_cpu_experts
-from kt_sft.ops.reference import ReferenceExperts
+from kt_sft.ops.reference import ReferenceExperts, moe_experts_reference
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import CONFIGS, tiny_model
 from tolerances import FP32_IO, MERGED_BF16, TRAIN_STEPS, rel_l2
@@ -257,6 +257,43 @@ def test_peft_features_the_experts_cannot_serve_are_named():
     ids = batch(3)["input_ids"]
     with pytest.raises(ValueError, match="batches that mix adapters"), torch.no_grad():
         kt.eval()(ids, adapter_names=["x", "y"])
+
+
+class LigerExperts(torch.nn.Module):
+    """Stands for Liger Kernel's experts class (enable_liger_kernel puts it in place of the MoE experts): the stock
+    layout and call, computed in PyTorch."""
+
+    def __init__(self, stock):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = stock.gate_up_proj, stock.down_proj
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return moe_experts_reference(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype),
+                                     self.gate_up_proj, self.down_proj)
+
+
+def test_experts_that_liger_kernel_swapped_in_go_to_the_engine():
+    # They were not recognized: a prepared model's load blamed the checkpoint, an in-memory one found no experts.
+    stock = tiny_model("qwen3_moe")
+    for layer in stock.model.layers:
+        layer.mlp.experts = LigerExperts(layer.mlp.experts)
+    kt = copy.deepcopy(stock)
+    assert use_cpu_experts(kt) == len(stock.model.layers)
+    ids = batch(3)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("targets, warned", [(["q_proj", "gate_proj", "up_proj", "down_proj"], True),
+                                            (["q_proj", "o_proj"], False), (["o_proj", "experts"], False)])
+def test_per_expert_target_names_that_reach_no_expert_are_warned_about(targets, warned, recwarn):
+    # transformers-4-era MoE recipes: the experts got no LoRA and stayed frozen without a word.
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    ids = batch(3)["input_ids"]
+    for _ in range(2):  # one warning, at the first training forward
+        kt(input_ids=ids, labels=ids).loss.backward()
+    said = [w for w in recwarn if "name per-expert projections" in str(w.message)]
+    assert len(said) == (1 if warned else 0), [str(w.message) for w in recwarn]
 
 
 def test_unsupported_model_type_is_a_clear_error():
