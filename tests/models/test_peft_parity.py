@@ -239,7 +239,12 @@ def test_deleting_a_merged_adapter_takes_its_update_out_of_the_experts():
     with torch.no_grad(), kt.disable_adapter():
         base = kt(ids).logits
     kt.merge_adapter()
-    kt.delete_adapter("first")
+    try:
+        kt.delete_adapter("first")
+    except ValueError as e:  # peft >= 0.21 refuses it itself, which leaves the weights as they were
+        assert "while they are merged" in str(e)
+        kt.unmerge_adapter()
+        kt.delete_adapter("first")
     experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
     assert all(not m.merged_adapters and "first" not in m.lora_A for m in experts)
     kt.set_adapter("second")
@@ -287,8 +292,14 @@ def test_experts_that_liger_kernel_swapped_in_go_to_the_engine():
 @pytest.mark.parametrize("targets, warned", [(["q_proj", "gate_proj", "up_proj", "down_proj"], True),
                                             (["q_proj", "o_proj"], False), (["o_proj", "experts"], False)])
 def test_per_expert_target_names_that_reach_no_expert_are_warned_about(targets, warned, recwarn):
-    # transformers-4-era MoE recipes: the experts got no LoRA and stayed frozen without a word.
-    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    # transformers-4-era MoE recipes: the experts got no LoRA and stayed frozen without a word (peft 0.18.1, which
+    # LLaMA-Factory 0.9.5 pins; newer peft rewrites those names into target_parameters and fails on them itself).
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+    try:
+        kt = get_peft_model(kt_model(), config)
+    except ValueError:
+        assert warned and config.target_parameters
+        return
     ids = batch(3)["input_ids"]
     for _ in range(2):  # one warning, at the first training forward
         kt(input_ids=ids, labels=ids).loss.backward()
