@@ -311,6 +311,9 @@ def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -
     base, base_out = [], []
     for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
         where = grad_destination(param) if wanted else NOWHERE
+        grad = param.grad
+        if where == INTO_GRAD and grad is not None and not (grad.is_contiguous() and grad.dtype == param.dtype):
+            where = TO_CALLER  # a grad the engine cannot add into in place (strided, another dtype): autograd does
         target = (module.base_grad(param) if where == INTO_GRAD else torch.zeros_like(param) if where == TO_CALLER
                   else None)
         base.append(target)

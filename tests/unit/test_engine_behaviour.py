@@ -390,6 +390,19 @@ def test_a_grad_kept_from_an_earlier_step_is_left_alone(module, keep):
     assert A.grad.data_ptr() == buffer and torch.equal(A.grad, first)
 
 
+def test_base_grads_the_engine_cannot_add_into_are_accumulated_as_torch_does():
+    # A strided grad left on a base weight (stock torch accumulates into it) had raised "tensor is not contiguous".
+    # Bound: the BF16 sum rounds once (half a BF16 step, 2**-8 relative), on top of the BF16 grads compared.
+    m = make_module(SHAPE, lora=False, train_base=True)
+    x, idx, w, g = inputs(SHAPE)
+    expected = run_engine(m, x, idx, w, g)
+    for p in (m.gate_up_proj, m.down_proj):
+        p.grad = torch.ones(p.shape[0], p.shape[2], p.shape[1], dtype=p.dtype).transpose(1, 2)
+    m(x, idx, w).backward(g)
+    assert torch.allclose(m.gate_up_proj.grad.float(), expected["d_gate_up"].float() + 1, rtol=2**-7, atol=2**-7)
+    assert torch.allclose(m.down_proj.grad.float(), expected["d_down"].float() + 1, rtol=2**-7, atol=2**-7)
+
+
 def test_the_lora_grad_buffers_of_a_deleted_adapter_are_freed(module):
     # They were kept by the matrices' ids for the module's life.
     x, idx, w, g = inputs(SHAPE)
