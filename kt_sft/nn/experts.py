@@ -184,8 +184,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             self._init_quantized(gate_up_proj, train_base)
         else:
             self._init_bf16(gate_up_proj, down_proj, train_base)
-        self._engine_weights = self._weights_read()
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
+        self._engine_weights = self._weights_read()
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
         # LoRA, keyed by adapter name then projection (PEFT's layout: saved as `lora_A.<adapter>.<proj>`).
@@ -234,8 +234,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
                                 view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
 
-    # Both run on every forward; until some expert weight in the process takes a float32 master (which installs
-    # the step hook) they cost a decode step no more than reading the two pointers.
+    # Both run on every forward (_weights_read on every backward too); until some expert weight in the process
+    # takes a float32 master (which installs the step hook) they cost a decode step a few attribute reads per weight.
     def _weights_read(self) -> tuple:
         """Where the engine reads the expert weights (and FP8/INT4 scales): each one's address, storage bytes and
         shape. Anything else than at construction means a weight was replaced (`.data =`, a storage freed or
@@ -243,8 +243,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         gate_up, down = self._parameters.get("gate_up_proj"), self._parameters.get("down_proj")
         if gate_up is None or down is None or _step_hook:
             gate_up, down = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
-        weights = (gate_up, down, getattr(self, "gate_up_scale", None), getattr(self, "down_scale", None))
-        return tuple((t.data_ptr(), t.untyped_storage().nbytes(), t.shape) for t in weights if t is not None)
+        weights = (gate_up, down) if self.expert_format == "bf16" else (gate_up, down, self.gate_up_scale,
+                                                                         self.down_scale)
+        return tuple((t.data_ptr(), t.untyped_storage().nbytes(), t.shape) for t in weights)
 
     def check_weights_in_place(self) -> None:
         if self._weights_read() != self._engine_weights:
@@ -507,15 +508,16 @@ class KTExperts(LoadsInPlace, nn.Module):
         if param.dtype != torch.float32 or param.device.type not in ("cpu", "cuda") or not param.is_contiguous():
             return None, False
         with _grads_lock:
-            in_flight = self.__dict__.setdefault("_lora_grads_in_flight", {})
-            holder = in_flight.get(id(param))
+            # Keyed by the matrix, weakly (as the buffers below): an id could come back for another matrix.
+            in_flight = self.__dict__.setdefault("_lora_grads_in_flight", WeakIdKeyDictionary())
+            holder = in_flight.get(param)
             if holder is not None and holder() is not None:
                 return torch.empty(param.shape, dtype=torch.float32, pin_memory=param.device.type == "cuda"), False
             target, adds = self._lora_grad_target(param)
             if target is not None and not adds:  # grads added into param.grad serialize under the lock instead
                 # Dropped at the hand-over, by drop_lora_grads when our backward nodes raise, or with the call's
                 # graph (a node between them raised and the graph is let go).
-                in_flight[id(param)] = weakref.ref(call)
+                in_flight[param] = weakref.ref(call)
             return target, adds
 
     def _lora_grad_target(self, param: nn.Parameter) -> tuple[torch.Tensor | None, bool]:
@@ -541,9 +543,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         grad that another backward gave it meanwhile, if any)."""
         with _grads_lock:
             in_flight = self.__dict__.get("_lora_grads_in_flight", {})
-            holder = in_flight.get(id(param))
+            holder = in_flight.get(param)
             if holder is not None and holder() in (call, None):
-                del in_flight[id(param)]
+                del in_flight[param]
             if param.device.type == "cuda":
                 self._gpu_lora.hand_grad(param, grad)
             elif param.grad is None or param.grad is grad:
@@ -556,8 +558,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         buffers again rather than each into one of its own while the failed graph is kept (a stored exception)."""
         with _grads_lock:
             in_flight = self.__dict__.get("_lora_grads_in_flight", {})
-            for key in [k for k, holder in in_flight.items() if holder() in (call, None)]:
-                del in_flight[key]
+            for param in [p for p, holder in in_flight.items() if holder() in (call, None)]:
+                del in_flight[param]
 
     @staticmethod
     def grads_lock() -> threading.Lock:
@@ -595,16 +597,14 @@ class KTExperts(LoadsInPlace, nn.Module):
                 raise ValueError(f"{name} is a meta tensor (shape only, no data); the CPU experts compute on real "
                                  "values: run the model after its weights are loaded, not under init_empty_weights "
                                  "or device='meta'.")
+            if t.layout != torch.strided or t.is_nested:
+                raise ValueError(f"{name} is a {t.layout} tensor; the CPU experts take dense (strided) tensors: "
+                                 "convert it with .to_dense().")
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}; the experts need "
                              f"[T, {self.hidden_size}].")
         if not hidden_states.dtype.is_floating_point:
             raise ValueError(f"hidden_states is {hidden_states.dtype}; it must be a floating-point tensor.")
-        for name, t in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
-                        ("top_k_weights", top_k_weights)):
-            if t.layout != torch.strided or t.is_nested:
-                raise ValueError(f"{name} is a {t.layout} tensor; the CPU experts take dense (strided) tensors: "
-                                 "convert it with .to_dense().")
         T = hidden_states.shape[0]
         if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_weights.shape != top_k_index.shape:
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
