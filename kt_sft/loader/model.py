@@ -120,7 +120,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                          f"{list(want[p])}; check that config.json belongs to these weights.")
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
-        prefix = arch.checkpoint_experts.split("{expert}")[0].format(layer=layer)
+        prefix = arch.experts_prefix(layer)
         other = sorted(k for k in ckpt.keys() if k.startswith(prefix) and k not in expected)
         if other:
             raise ValueError(f"the checkpoint has {other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''} "
@@ -239,7 +239,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = experts_modules(model, arch)
-    expert_prefixes = tuple(arch.checkpoint_experts.split("{expert}")[0].format(layer=layer) for _, layer, _ in experts)
+    expert_prefixes = tuple(arch.experts_prefix(layer) for _, layer, _ in experts)
 
     # Each tensor takes the dtype its parameter or buffer has in the model, or float32 where from_pretrained keeps
     # it so (DeepSeek-V3's routing bias: in BF16 it had routed 1-3% of tokens to other experts).

@@ -35,6 +35,10 @@ class MoEArchitecture:
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
         return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])
 
+    def experts_prefix(self, layer: int) -> str:
+        """What every checkpoint key of layer's routed experts starts with."""
+        return self.checkpoint_experts.split("{expert}")[0].format(layer=layer)
+
     def expert_module(self, layer: int, expert: int, proj: int) -> str:
         """The module path of expert_key's weight (a per-expert nn.Linear, as PEFT names LoRA on it)."""
         return self.expert_key(layer, expert, proj).removesuffix(".weight")
