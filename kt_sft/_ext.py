@@ -76,7 +76,7 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
         cur = _C.capabilities()
         _C.configure(
             cur["threads"] if threads is None else _thread_count(threads),
-            cur["pinned"] if pin is None else _on_off(pin, "pin"),
+            cur["pin"] if pin is None else _on_off(pin, "pin"),
             (cur["kernels"] or "") if kernels is None else kernels,
             cur["tile_min_rows"] if tile_min_rows is None else _whole(
                 tile_min_rows, "tile_min_rows", 0, 2**31 - 1, "it takes a whole number of rows from 1 to 2**31 - 1 "

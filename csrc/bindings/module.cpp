@@ -59,6 +59,15 @@ BackwardCopy to_copy(const py::object& o) {
   return BackwardCopy{to_view(t[0]), to_view(t[1])};
 }
 
+// The GIL released for an engine call. Its destructor may end the thread (CPython's pthread_exit for a daemon thread
+// coming back during interpreter shutdown): not noexcept, so that unwind is not std::terminate (pybind11#2215).
+struct NoGil {
+  PyThreadState* st = PyEval_SaveThread();
+  NoGil() = default;
+  NoGil(const NoGil&) = delete;
+  ~NoGil() noexcept(false) { PyEval_RestoreThread(st); }
+};
+
 // A call in flight: wait() releases the GIL while the engine runs. `keep` holds every tensor view of the
 // call (each view tuple carries its tensor), so dropping the caller's references cannot free memory the
 // engine is still reading.
@@ -81,7 +90,7 @@ struct Pending {
   }
   py::object wait() {
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       ticket->wait();
     }
     keep = py::tuple();
@@ -94,7 +103,7 @@ struct Pending {
 // with the GIL released (now = true: for a caller that waits at once; the returned ticket is already done).
 std::shared_ptr<Ticket> start(std::function<void()> job, bool now) {
   if (!now) return Runtime::get().queue().submit(std::move(job));
-  py::gil_scoped_release nogil;
+  NoGil nogil;
   return Runtime::get().queue().run_now(job);
 }
 
@@ -114,7 +123,10 @@ PYBIND11_MODULE(_C, m) {
              return engine;
            }),
            py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"),
-           py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none())
+           py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none(),
+           // The engine reads its weights by pointer: it holds their views (each carries its tensor), and every
+           // call holds the engine, so a call still queued while the interpreter exits reads no freed weights.
+           py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
       .def_property_readonly("format", [](const MoeExperts& m) { return std::string(format_name(m.format())); })
       .def("forward",
            [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
@@ -123,7 +135,7 @@ PYBIND11_MODULE(_C, m) {
              Lora l = to_lora(r, scale, lora, dropout, seed);
              auto result = std::make_shared<std::shared_ptr<Saved>>();
              auto ticket = start([=] { *result = self->forward(vx, vi, vw, vo, l, save); }, now);
-             return Pending{ticket, result, py::make_tuple(x, idx, w, out, lora)};
+             return Pending{ticket, result, py::make_tuple(self, x, idx, w, out, lora)};
            },
            py::arg("x"), py::arg("top_k_index"), py::arg("top_k_weights"), py::arg("out"), py::arg("r"),
            py::arg("scale"), py::arg("lora"), py::arg("save"), py::arg("dropout") = 0.f, py::arg("seed") = 0u,
@@ -153,8 +165,8 @@ PYBIND11_MODULE(_C, m) {
              const BackwardCopy copy = to_copy(backward_copy);
              auto ticket = start([=] { self->backward(*saved, vx, vd, l, g, copy); }, now);
              return Pending{ticket, nullptr,
-                            py::make_tuple(x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down, py::cast(saved),
-                                           backward_copy)};
+                            py::make_tuple(self, x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down,
+                                           py::cast(saved), backward_copy)};
            },
            py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
            py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
@@ -185,7 +197,7 @@ PYBIND11_MODULE(_C, m) {
     // objects can run the GC's finalizers, which may hand the GIL to a thread that then waits on this lock.
     const KernelSet* ks = nullptr;
     int fwd_bf16 = 0, fwd_fp8 = 0, fwd_int4 = 0, bwd = 0, tile_min_rows = 0, threads = 0;
-    bool pinned = false;
+    bool pinned = false, pin = true;
     size_t scratch_bytes = 0;
     {
       py::gil_scoped_release nogil;
@@ -203,6 +215,7 @@ PYBIND11_MODULE(_C, m) {
       tile_min_rows = rt.tile_min_rows();
       threads = rt.threads();
       pinned = rt.pool().pinned();
+      pin = rt.pin_requested();
       scratch_bytes = rt.scratch().bytes();
     }
     py::dict d;
@@ -229,6 +242,7 @@ PYBIND11_MODULE(_C, m) {
     d["tile_min_rows"] = tile_min_rows;
     d["threads"] = threads;
     d["pinned"] = pinned;
+    d["pin"] = pin;  // the setting: pinned may be false where the OS refused it or threads > CPUs
     d["scratch_bytes"] = scratch_bytes;
     return d;
   });

@@ -1,10 +1,14 @@
 #include "runtime.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <new>
 #include <stdexcept>
 #include <string>
 
 #include "../kernels/dispatch.h"
+#include "saved_pool.h"
 
 namespace kt {
 
@@ -24,9 +28,39 @@ size_t Scratch::bytes() const {
   return b;
 }
 
+namespace {
+Runtime* g_runtime = nullptr;  // set once by get(); the fork handler reaches it without get()'s restart
+}
+
 Runtime& Runtime::get() {
-  static Runtime rt;
-  return rt;
+  // Never destroyed: calls still queued at exit run on (destroying it freed the scratch under them: a segfault), and
+  // a forked child's copy holds threads that do not exist there (joining them hung the child's exit).
+  static Runtime* rt = [] {
+    g_runtime = new Runtime;
+    pthread_atfork(nullptr, nullptr, [] { g_runtime->forget_threads(); });
+    return g_runtime;
+  }();
+  if (rt->forked_.load(std::memory_order_acquire)) rt->restart();
+  return *rt;
+}
+
+void Runtime::forget_threads() {
+  (void)pool_.release();  // abandoned: their threads were not copied, and a lock one of them held stays held
+  (void)queue_.release();
+  new (&settings_mutex_) std::mutex;
+  new (&phase_mutex_) std::mutex;
+  new (&restart_mutex_) std::mutex;
+  saved_pool_after_fork();
+  tickets_after_fork();
+  forked_.store(true, std::memory_order_release);
+}
+
+void Runtime::restart() {
+  std::lock_guard<std::mutex> lock(restart_mutex_);
+  if (!forked_.load(std::memory_order_relaxed)) return;
+  queue_.reset(new AsyncQueue());
+  pool_.reset(new ThreadPool(n_threads_, pin_));
+  forked_.store(false, std::memory_order_release);
 }
 
 Runtime::Runtime() : queue_(new AsyncQueue()) {
@@ -67,9 +101,11 @@ void Runtime::apply(int n_threads, bool pin, const KernelSet* ks, int tile_min_r
       pool_.reset(new ThreadPool(n_threads, pin));
     } catch (...) {  // the OS refused a thread: keep a pool of the default size so later calls still run
       pool_.reset(new ThreadPool(0, pin_));
+      n_threads_ = 0;
       throw;
     }
     pin_ = pin;
+    n_threads_ = n_threads;
   }
 }
 

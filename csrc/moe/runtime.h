@@ -85,6 +85,8 @@ class Runtime {
   // (BENCHMARKS.md, eighth session of 2026-12-05 and third session of 2026-12-06).
   int backward_tile_rows() const { return std::max(1, tile_min_rows_ / 4); }
   AsyncQueue& queue() { return *queue_; }
+  // The pin setting asked for (the pool's pinned() is false where the OS refused it or threads outnumber CPUs).
+  bool pin_requested() const { return pin_; }
   Scratch& scratch() { return scratch_; }
 
   // Engine phase profile: while on, each Phase scope of a call adds its wall time under its name.
@@ -109,11 +111,19 @@ class Runtime {
     return t && t->emulated;
   }
   void apply(int n_threads, bool pin, const KernelSet* kernels, int tile_min_rows);
+  // fork() copies none of the pool's or the driver's threads: in the child (its one thread, in the fork handler)
+  // they are abandoned and every lock made anew, and the next get() starts new ones, so a child that never calls
+  // the engine (a DataLoader worker) starts none.
+  void forget_threads();
+  void restart();
+  std::atomic<bool> forked_{false};
+  std::mutex restart_mutex_;
   std::mutex settings_mutex_;
   std::unique_ptr<ThreadPool> pool_;
   const KernelSet* kernels_ = nullptr;
   std::string no_kernels_reason_;
   bool pin_ = true;
+  int n_threads_ = 0;  // as asked for: 0 is one per CPU
   int tile_min_rows_ = kTileMinRows;
   std::unique_ptr<AsyncQueue> queue_;
   Scratch scratch_;

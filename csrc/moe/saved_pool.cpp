@@ -3,6 +3,7 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <new>
 
 #include "../kernels/aligned.h"
 
@@ -73,5 +74,7 @@ void saved_pool_release() {
   for (auto& [cap, p] : pl.free) delete_aligned_floats(p);
   pl.free.clear();
 }
+
+void saved_pool_after_fork() { new (&pool().mu) std::mutex; }
 
 }  // namespace kt

@@ -28,5 +28,7 @@ size_t saved_pool_allocations();
 size_t saved_pool_free_bytes();
 // Frees the free list (buffers in use are unaffected); tests start from an empty pool with it.
 void saved_pool_release();
+// In a forked child: the pool's lock may have been held by a thread that does not exist there.
+void saved_pool_after_fork();
 
 }  // namespace kt

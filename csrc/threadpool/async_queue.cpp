@@ -1,8 +1,26 @@
 #include "async_queue.h"
 
+#include <atomic>
+#include <stdexcept>
+
 namespace kt {
 
+namespace {
+std::atomic<unsigned> g_forks{0};
+}
+
+void tickets_after_fork() { g_forks.fetch_add(1); }
+
+Ticket::Ticket() : forks_(g_forks.load()) {}
+
+// Only a child's count differs from its tickets', and there no thread but the caller's touches them: done_ needs
+// no lock then (one that a thread of the parent held stays held).
+bool Ticket::from_before_fork() const { return forks_ != g_forks.load() && !done_; }
+
 void Ticket::wait() {
+  if (from_before_fork())
+    throw std::runtime_error("this engine call was started before the process forked and runs in the parent "
+                             "only; call the experts again in this process.");
   std::unique_lock<std::mutex> lk(mu_);
   cv_.wait(lk, [&] { return done_; });
   if (error_) {
@@ -13,6 +31,7 @@ void Ticket::wait() {
 }
 
 bool Ticket::done() {
+  if (from_before_fork()) return true;
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
 }

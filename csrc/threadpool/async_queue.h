@@ -12,14 +12,22 @@
 
 namespace kt {
 
+// Called in a forked child (its fork handler): tickets made before it belong to calls that run in the parent only.
+void tickets_after_fork();
+
 class Ticket {
  public:
-  // Blocks until the job has run; rethrows its exception, if any (once per ticket).
+  Ticket();
+  // Blocks until the job has run; rethrows its exception, if any (once per ticket). In a forked child, a call
+  // that had not finished before the fork throws instead of waiting forever.
   void wait();
+  // True too for such a call: it will never finish here.
   bool done();
 
  private:
   friend class AsyncQueue;
+  bool from_before_fork() const;
+  const unsigned forks_;  // tickets_after_fork() calls before this ticket was made
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
