@@ -43,7 +43,7 @@ from torch import nn
 
 from .._ext import recompute_ahead
 from ..ops import experts_function
-from ..ops.kept_forward import recomputing
+from ..ops.kept_forward import begin_model_forward, end_model_forward, recomputing
 
 _latest = None  # weakref to the Pass of the latest first forward (the layer the next one may follow)
 _recomputed = None  # weakref to the Pass recomputed last: its layer's backward is the one running
@@ -211,7 +211,8 @@ def _restores_rng(checkpoint, kwargs) -> bool:
 
 def recompute_ahead_of_the_engine(model: nn.Module) -> None:
     """Has each stack of checkpointable layers in model wrap its layers' checkpoint functions in RecomputeAhead at
-    every forward (a pre-hook on the module that runs the stack)."""
+    every forward (a pre-hook on the module that runs the stack), and tell the experts inside whether a recompute
+    may follow that forward (ops/kept_forward.begin_model_forward; a forward hook ends it, also when it raises)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     for module in model.modules():
@@ -220,11 +221,15 @@ def recompute_ahead_of_the_engine(model: nn.Module) -> None:
                 if isinstance(child, nn.ModuleList) else []
             if layers:
                 module.register_forward_pre_hook(functools.partial(_wrap_checkpointing, layers))
+                module.register_forward_hook(lambda *_: end_model_forward(), always_call=True)
                 experts_function.beside_backward(_work_ahead)
 
 
 def _wrap_checkpointing(layers, _module, _args) -> None:
+    checkpointing = False
     for layer in layers:
+        checkpointing |= bool(layer.gradient_checkpointing and layer.training)  # GradientCheckpointingLayer's test
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if checkpoint is not None and not isinstance(checkpoint, RecomputeAhead):
             layer._gradient_checkpointing_func = RecomputeAhead(checkpoint)
+    begin_model_forward(checkpointing and torch.is_grad_enabled())

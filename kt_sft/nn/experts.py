@@ -32,8 +32,8 @@ from ..ops import grad_clip, host_memory
 from ..ops.at_exit import note_caller
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
 from ..ops.gpu_lora import GpuLora, check_room
-from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, own, recomputing,
-                                reserve_bytes, room_to_keep, setting_of)
+from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, no_recompute_follows,
+                                own, recomputing, reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
 
 
@@ -661,7 +661,8 @@ class KTExperts(LoadsInPlace, nn.Module):
                     and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
                                      dropout=dropout, beside=beside)
-            self.__dict__["_kept"] = None
+            if not (self.training and no_recompute_follows()):  # a reference pass leaves the policy's kept pass
+                self.__dict__["_kept"] = None
             if keep:
                 inputs = own(xc, hidden_states), own(idx, top_k_index), own(w, top_k_weights)
                 self.__dict__["_kept"] = KeptForward(*inputs, setting_of(self, lora, (r, scale, dropout)), out, saved)

@@ -7,8 +7,11 @@ engine saved for backward and its result. The recompute takes them instead of ru
 its inputs are the same (bit for bit, on the CPU copies the engine takes anyway) and so is everything
 else that shaped the result: LoRA rank, scale and dropout seed (checkpointing restores the RNG the seed is
 drawn from), and the weights, by storage and version counter (an optimizer step in between bumps them).
-Anything else runs the engine as before. One pass is kept per module; one that no recompute takes (a no-grad
-forward in training mode outside checkpointing) is dropped by the module's next forward. A module whose
+Anything else runs the engine as before. One pass is kept per module; one that no recompute takes is dropped by
+the module's next forward. A model's forward that no recompute can follow (called without grad, as DPO's and
+KTO's reference pass is, or with checkpointing off: models/recompute_ahead.py tells, no_recompute_in) neither
+keeps its passes nor drops the ones kept: a reference pass between the policy's forward and its backward had
+thrown away every layer's kept pass, and its own were never taken. A module whose
 recompute found other inputs MISSES_BEFORE_OFF times in a row (a nondeterministic op upstream) stops keeping,
 with a warning: keeping costs its first pass the saving of g/u.
 
@@ -20,6 +23,7 @@ of all layers pile up until backward, and running out of RAM gets the process ki
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import Any, NamedTuple
 
@@ -41,11 +45,34 @@ class KeptForward(NamedTuple):
     saved: Any  # the engine's state for backward
 
 
+_model_calls = threading.local()  # .follows: per model forward running on this thread, whether a recompute may follow
+
+
+def begin_model_forward(recompute_may_follow: bool) -> None:
+    """Called as a model's forward starts (a pre-hook): whether gradient checkpointing may recompute its layers,
+    i.e. grad is on and checkpointing too. end_model_forward() undoes it, whether the forward returned or raised."""
+    _model_calls.__dict__.setdefault("follows", []).append(recompute_may_follow)
+
+
+def end_model_forward() -> None:
+    follows = getattr(_model_calls, "follows", None)
+    if follows:
+        follows.pop()
+
+
+def no_recompute_follows() -> bool:
+    """Whether this forward runs inside a model's forward that no recompute can follow (begin_model_forward); a
+    module called on its own (no model forward around it) may be checkpointed by its caller."""
+    follows = getattr(_model_calls, "follows", None)
+    return bool(follows) and not follows[-1]
+
+
 def keeps_forward(training: bool) -> bool:
-    """Whether a forward that builds no graph keeps its pass: in training mode, with grad off, unless turned off;
-    never under inference_mode (a checkpoint's first forward runs under no_grad; nothing recomputes an inference)."""
+    """Whether a forward that builds no graph keeps its pass: in training mode, with grad off, where a recompute
+    may follow, unless turned off; never under inference_mode (a checkpoint's first forward runs under no_grad;
+    nothing recomputes an inference)."""
     return (training and not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-            and not recompute_experts())
+            and not recompute_experts() and not no_recompute_follows())
 
 
 def kept_bytes(tokens: int, k: int, intermediate: int, rank: int, x: torch.Tensor) -> int:

@@ -5,6 +5,8 @@ checkpointing runs the first forward without grad: the engine keeps that pass, a
 (kt_sft/ops/kept_forward.py) unless KT_SFT_RECOMPUTE_EXPERTS=1; non-reentrant keeps the engine's saved g/u from
 the first forward until backward, and its recompute stops before it would need the engine's result.
 """
+import warnings
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -12,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 import kt_sft.ops.experts_function as function_module
 from kt_sft.models import use_cpu_experts
 from kt_sft import KTExperts
+from kt_sft.ops.kept_forward import MISSES_BEFORE_OFF
 from tiny_models import tiny_model
 from tolerances import FP32_IO, rel_l2
 
@@ -83,3 +86,41 @@ def test_non_reentrant_checkpointing_runs_the_engine_forward_once_per_layer(mode
     assert len(calls) == layers[0]
     for name, g in plain.items():
         assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
+
+
+@pytest.mark.parametrize("gc_kwargs", [None, {"use_reentrant": True}], ids=["no_checkpointing", "reentrant"])
+def test_a_reference_pass_without_grad_keeps_nothing_and_leaves_the_kept_passes(gc_kwargs, monkeypatch):
+    # DPO's and KTO's reference pass (TRL, LLaMA-Factory: the policy with its adapter disabled, under no_grad in
+    # training mode) between the policy's forward and its backward had dropped every layer's kept first pass and
+    # kept its own, which no recompute takes: the recompute ran the engine again, after three steps every module
+    # warned of a nondeterministic op and stopped keeping, and without checkpointing its passes sat in host RAM
+    # through the backward.
+    calls, layers = [], []
+    real = function_module.start_forward
+    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = grads(None)
+    model = tiny_model("qwen3_moe")
+    use_cpu_experts(model)
+    experts = [m for m in model.modules() if isinstance(m, KTExperts)]
+    torch.manual_seed(3)
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
+                                             init_lora_weights=False)).train()
+    if gc_kwargs is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        model.enable_input_require_grads()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="kt_sft")  # the "nondeterministic op" warning included
+        for step in range(MISSES_BEFORE_OFF + 1):
+            model.zero_grad()
+            calls.clear()
+            loss = model(input_ids=ids, labels=ids).loss
+            with torch.no_grad(), model.disable_adapter():
+                model(input_ids=ids)
+            kept = sum(m.__dict__.get("_kept") is not None for m in experts)
+            assert kept == (len(experts) if gc_kwargs else 0)
+            loss.backward()
+            assert len(calls) == 2 * len(experts)  # the policy's and the reference's; no recompute
+    for name, g in plain.items():
+        assert rel_l2(dict(model.named_parameters())[name].grad, g) <= FP32_IO, name
