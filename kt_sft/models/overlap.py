@@ -11,10 +11,13 @@ the engine's two autograd nodes sit on either side of the shared experts' nodes 
 EngineCall), so the shared experts' backward is queued on the GPU while the engine computes its backward.
 Everything runs on the caller's stream and in the stock order (routed experts, then shared), so results, the
 RNG's use included, are the stock order's; a recomputed forward (gradient checkpointing) goes through the same
-hooks. On a CPU device the same steps run in turn (the engine first: nothing to overlap).
+hooks. On a CPU device the same steps run in turn (the engine first: nothing to overlap). What a block call hands
+over is its thread's: two threads through one block (an evaluation or generation beside training) had taken each
+other's shared experts' result, computed under the other's grad mode.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -31,13 +34,13 @@ class SharedExpertsOverlap:
         self.shared = shared = getattr(block, attribute)
         self.experts = block.experts
         self.run = shared.forward  # the module's own forward, bound
-        self.pending = None  # (block input, shared output) of the block call in flight
+        self.local = threading.local()  # .pending: (block input, shared output) of this thread's block call in flight
         shared.forward = self.forward
         self.handles = (block.register_forward_pre_hook(self.arm),
                         block.register_forward_hook(self.disarm, always_call=True))
 
     def arm(self, block, args):
-        self.pending = None
+        self.local.pending = None
         if getattr(block, self.attribute) is not self.shared or block.experts is not self.experts:
             self.remove()  # replaced since (a wrapper): the stock order
             return
@@ -48,14 +51,14 @@ class SharedExpertsOverlap:
     def start(self, x):
         # Through the module's call, so that its own hooks wrap the computation; forward() finds nothing
         # pending yet and runs it.
-        self.pending = (x, self.shared(x))
+        self.local.pending = (x, self.shared(x))
 
     def disarm(self, block, args, output):
         self.experts.queue_beside(None)
-        self.pending = None
+        self.local.pending = None
 
     def forward(self, x, *args, **kwargs):
-        pending, self.pending = self.pending, None
+        pending, self.local.pending = getattr(self.local, "pending", None), None
         if pending is None:  # the routed experts did not run first, or a call outside the block's forward
             return self.run(x, *args, **kwargs)
         x0, out = pending
@@ -71,7 +74,7 @@ class SharedExpertsOverlap:
             handle.remove()
         self.shared.forward = self.run
         self.experts.queue_beside(None)
-        self.pending = None
+        self.local.pending = None
 
 
 def overlap_shared_experts(model: nn.Module, attribute: str | None) -> int:

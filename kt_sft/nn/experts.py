@@ -627,12 +627,20 @@ class KTExperts(LoadsInPlace, nn.Module):
         """work() (GPU work that does not need this module's result) runs once, while the engine computes this
         module's next forward; in training, the backward of what it builds runs while the engine computes this
         call's backward (ops/experts_function.py). models/overlap.py queues a block's shared experts this way;
-        queue_beside(None) drops what was queued."""
-        self.__dict__["_beside"] = work
+        queue_beside(None) drops what was queued. Per thread: another thread's forward neither runs nor drops it."""
+        self.__dict__.setdefault("_beside", threading.local()).work = work
+
+    def take_beside(self):
+        """What this thread queued beside this module's next forward (queue_beside), now taken; None if nothing."""
+        queued = self.__dict__.get("_beside")
+        work = getattr(queued, "work", None)
+        if work is not None:
+            queued.work = None
+        return work
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        beside = self.__dict__.pop("_beside", None)
+        beside = self.take_beside()
         note_caller()
         self._check(hidden_states, top_k_index, top_k_weights)
         adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)

@@ -3,6 +3,8 @@ forward applies them to the block's input after the routed experts, queued betwe
 wait in forward and in backward, and numerically the stock order. On the CPU the steps run in turn unless
 `runs_beside` says otherwise (tests below make it run them concurrently); on a CUDA device (the GPU test
 machine; skipped elsewhere, and said so) they run concurrently."""
+import threading
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -181,7 +183,7 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
     x = torch.randn(1, 3, 64)
     expected = o.run(x * 1.0)
     o.arm(block, (x,))
-    block.experts.__dict__.pop("_beside")()  # what the routed experts run while the engine computes
+    block.experts.take_beside()()  # what the routed experts run while the engine computes
     with pytest.warns(RuntimeWarning, match="overlap with the CPU experts is turned off"):
         got = o.shared(x * 1.0)
     assert torch.equal(got, expected)
@@ -225,3 +227,51 @@ def test_shared_experts_replaced_after_install_run_in_the_stock_order():
         assert not overlaps(model) and not block._forward_pre_hooks and not block._forward_hooks
         block.shared_experts = inner
         assert torch.allclose(got - block(x), inner(x))
+
+
+def test_a_no_grad_forward_on_another_thread_takes_nothing_of_a_training_forward(monkeypatch):
+    # Thread A (an evaluation, generation) and thread B (training) through one block: A's routed experts had run
+    # the shared experts that B's pre-hook queued, on B's input under A's no_grad, and B's block took that result:
+    # the shared experts' grads were missing in B, and the layers below got a wrong dx. The order is forced here.
+    monkeypatch.setattr(experts_function, "runs_beside", lambda device: True)
+    plain = loss_and_grads(lora_model("deepseek_v3"))[1]
+    model = lora_model("deepseek_v3").train()
+    block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+    events = {name: threading.Event() for name in ("a_armed", "b_armed", "a_ran_experts", "b_done")}
+
+    def before_block(module, args):
+        if threading.current_thread().name == "A":
+            events["a_armed"].set()
+            events["b_armed"].wait(10)
+        else:
+            events["b_armed"].set()
+            events["a_ran_experts"].wait(10)
+
+    def after_experts(module, args, out):
+        if threading.current_thread().name == "A":
+            events["a_ran_experts"].set()
+            events["b_done"].wait(10)
+
+    block.register_forward_pre_hook(before_block)
+    block.experts.register_forward_hook(after_experts)
+    block.register_forward_hook(lambda *_: threading.current_thread().name == "B" and events["b_done"].set())
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    other = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def evaluate():
+        with torch.no_grad():
+            model(input_ids=other)
+
+    def train():
+        events["a_armed"].wait(10)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    threads = [threading.Thread(target=evaluate, name="A"), threading.Thread(target=train, name="B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(e.is_set() for e in events.values())  # the order above happened
+    for name, g in plain.items():
+        grad = dict(model.named_parameters())[name].grad
+        assert grad is not None and rel_l2(grad, g) <= FP32_IO, name
