@@ -177,7 +177,7 @@ class EngineCall:
 
     def __init__(self, module, lora, lora_params, concurrent: bool):
         self.module, self.lora, self.lora_params, self.concurrent = module, lora, lora_params, concurrent
-        self.xc = self.lora32 = self.out = self.saved = self.running = self.grads = None
+        self.xc = self.x_version = self.lora32 = self.out = self.saved = self.running = self.grads = None
         self.backward_work = None  # what the backward runs while its engine computes (beside_backward)
         self.deferred = None  # (idx, w) of a forward whose engine starts in EngineResult (StartEngine.forward)
 
@@ -201,6 +201,9 @@ class StartEngine(torch.autograd.Function):
             call.out, call.running = start_forward(module.engine, xc, idx, w, r, scale, call.lora32, save=True,
                                                    device=x.device, dropout=dropout, now=not call.concurrent)
         call.xc = xc
+        # The caller's x itself where the engine reads it in place (on the CPU, in the engine's dtype): the
+        # backward reads it again, so a change in place since (which autograd's saved tensors would catch) is too.
+        call.x_version = (x, x._version) if xc.data_ptr() == x.data_ptr() else None
         call.needs = ctx.needs_input_grad
         call.weights = gate_up, down
         call.versions = _versions(gate_up, down, lora_params)
@@ -273,9 +276,12 @@ class EngineResult(torch.autograd.Function):
                                "and its backward (an optimizer step or a LoRA merge before backward), so the backward "
                                "would mix the forward's activations with other weights; call backward before "
                                "changing them, or run the forward again after.")
+        if call.x_version is not None and call.x_version[0]._version != call.x_version[1]:
+            raise RuntimeError("KTExperts: hidden_states was changed in place between this forward and its backward, "
+                               "which reads it again; change a copy of it (x.clone()) instead.")
         try:
             start_backward(call, call.xc, grad_out)
-            call.xc = None  # the engine's call holds it until it is done
+            call.xc = call.x_version = None  # the engine's call holds xc until it is done
         except BaseException:
             module.drop_lora_grads(call)
             raise

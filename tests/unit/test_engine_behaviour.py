@@ -322,6 +322,19 @@ def test_second_backward_is_refused(module):
         y.backward(g)
 
 
+def test_an_input_changed_in_place_between_forward_and_backward_is_refused(module):
+    # On the CPU in float32 the engine reads x in place, and its backward reads x again: changed in between, the
+    # LoRA grads came out of the new values without a word (autograd's saved tensors would have refused).
+    x, idx, w, g = inputs(SHAPE)
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1
+    y = module(h, idx, w)
+    with torch.no_grad():
+        h.mul_(3)
+    with pytest.raises(RuntimeError, match="hidden_states was changed in place"):
+        y.backward(g)
+
+
 @pytest.mark.parametrize("change", ["lora", "base", "merge"])
 def test_weights_changed_between_forward_and_backward_are_refused(module, change):
     # The backward reads the weights again with the forward's activations: changed in between (an optimizer step
