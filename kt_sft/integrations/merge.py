@@ -87,6 +87,12 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
     return source, prefix, {**text, "model_type": canonical_model_type(text.get("model_type"))}
 
 
+# LoRA initialisations that replace the base weights beside the adapter (PiSSA and OLoRA take its principal part out,
+# CorDA likewise, LoftQ quantizes it): PEFT saves such an adapter converted to a plain one (init_lora_weights True)
+# only when asked to.
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
 def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path) -> dict[str, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
     kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts, and the
@@ -98,6 +104,12 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
     if config.get("rank_pattern") or config.get("alpha_pattern") or config.get("fan_in_fan_out"):
         raise ValueError("adapters with rank_pattern, alpha_pattern or fan_in_fan_out are not supported by kt-sft "
                          "merge; merge one trained with a single rank and alpha.")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        raise ValueError(f"{adapter_dir} was initialised with {init!r}, which changes the base weights it trains "
+                         "beside, so the published weights plus this LoRA are not the trained model; save it "
+                         "converted to a plain LoRA (LLaMA-Factory: pissa_convert: true; PEFT: save_pretrained with "
+                         "path_initial_model_for_weight_conversion) and merge that.")
     check_trained_on(adapter_dir, config, model["model_type"], str(model_dir), "merge")
     scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
     arch = architecture_of(SimpleNamespace(model_type=model["model_type"]))
@@ -119,6 +131,9 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
             else:
                 raise ValueError(f"the adapter holds {key}, which is not a LoRA matrix (modules_to_save?); kt-sft merge "
                                  "merges LoRA pairs only.")
+    if not pairs:
+        raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS} holds no LoRA matrices; point at the adapter that training "
+                         "saved (a checkpoint-N directory or the output directory).")
     updates = {}
     for weight, ab in pairs.items():
         if set(ab) != {"A", "B"}:

@@ -179,6 +179,16 @@ def test_merge_names_what_it_cannot_do(tmp_path):
     (other / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(ValueError, match="DoRA adapter"):
         merge_adapter(model_dir, other, tmp_path / "out")
+    # PiSSA-style initialisations train beside changed base weights: merged into the published ones, the adapter
+    # had given logits 38% off the trained model's with a report of success.
+    for init in ("pissa", "pissa_niter_16", "olora", "loftq"):
+        (other / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": init}))
+        with pytest.raises(ValueError, match="changes the base weights .* pissa_convert: true"):
+            merge_adapter(model_dir, other, tmp_path / "out")
+    (other / "adapter_config.json").write_text(json.dumps(cfg))
+    save_file({}, str(other / "adapter_model.safetensors"))  # had merged nothing and reported success
+    with pytest.raises(ValueError, match="holds no LoRA matrices"):
+        merge_adapter(model_dir, other, tmp_path / "out")
     # What the loader refuses to read, merge refuses too (it would have requantized as symmetric INT4).
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {
