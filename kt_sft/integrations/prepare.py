@@ -1,12 +1,16 @@
 """`kt-sft prepare <hf-model-dir> <out-dir>`: a small directory that the stock loaders open with
 trust_remote_code. It holds config.json (the original, plus auto_map and a "kt_sft" settings section), a
-one-line modeling shim, and links to every other file of the source (tokenizer, generation config, chat
-template); the weight shards are referenced, never copied. Everything is checked before anything is written.
+one-line modeling shim, and every other file of the source (tokenizer, generation config, chat template): copies
+of the files up to COPY_BYTES, links to larger ones and to subdirectories; the weight shards are referenced, never
+copied. Copies, because a save into the prepared directory (a tokenizer's save_pretrained, a training's output_dir)
+wrote through links into the source model's own files. Everything is checked before anything is written.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 from transformers import CONFIG_MAPPING, AutoConfig
@@ -25,6 +29,11 @@ SHIM_TEXT = '''"""Written by `kt-sft prepare`: routes AutoModelForCausalLM to kt
 from kt_sft.integrations.modeling import KTSFTForCausalLM  # noqa: F401
 '''
 _WEIGHT_FILES = ("model.safetensors.index.json",)
+COPY_BYTES = 64 << 20  # tokenizers and templates are a few MB at most
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
@@ -67,30 +76,49 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     check_checkpoint(Checkpoint(source, prefix or ""), config, fmt)
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
-    linked = [f for f in source.iterdir()
-              if not (f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES)]
-    for f in linked:
-        if (out / f.name).exists() and not (out / f.name).is_symlink():
-            raise FileExistsError(f"{out / f.name} is a file of its own where prepare links the model's {f.name}; "
-                                  "move it away or prepare into a new directory.")
-    # An earlier prepare here, perhaps of another model: its links go (a link of the user's own stays).
+    files = [f for f in source.iterdir()
+             if not (f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES)]
+    copied = {f.name for f in files if f.is_file() and f.stat().st_size <= COPY_BYTES}
+    # An earlier prepare here, perhaps of another model: its links and its unchanged copies go (a link or file of
+    # the user's own stays).
     earlier = read_config(out).get(SETTINGS_KEY) if (out / "config.json").is_file() else None
-    earlier = Path(earlier["source"]) if isinstance(earlier, dict) and isinstance(earlier.get("source"), str) else None
-    names = {f.name for f in linked}
+    earlier = earlier if isinstance(earlier, dict) else {}
+    earlier_source = Path(earlier["source"]) if isinstance(earlier.get("source"), str) else None
+    earlier_copies = earlier.get("copies") if isinstance(earlier.get("copies"), dict) else {}
+
+    def earlier_copy(path: Path) -> bool:
+        """A copy prepare made, unchanged since: as recorded, or (a prepare cut short records none) as the source's."""
+        if not path.is_file() or path.is_symlink():
+            return False
+        digest = _digest(path) if path.name in earlier_copies or path.name in copied else None
+        return digest is not None and digest in (earlier_copies.get(path.name),
+                                                 _digest(source / path.name) if path.name in copied else None)
+
+    for f in files:
+        mine = out / f.name
+        if mine.exists() and not mine.is_symlink() and not earlier_copy(mine):
+            raise FileExistsError(f"{mine} is a file of its own where prepare puts the model's {f.name}; move it "
+                                  "away or prepare into a new directory.")
+    names = {f.name for f in files}
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").is_file():  # an earlier prepare's (a directory without the shim was refused above):
-        (out / "config.json").unlink()     # gone before the links change, so one cut short leaves nothing that loads
+        (out / "config.json").unlink()     # gone before the files change, so one cut short leaves nothing that loads
     for old in out.iterdir():
-        if old.is_symlink() and (old.name in names or Path(os.readlink(old)).parent == earlier):
+        if (old.is_symlink() and (old.name in names or Path(os.readlink(old)).parent == earlier_source)) \
+                or earlier_copy(old):
             old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
                          "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
-                         "checkpoint_prefix": prefix or ""}
+                         "checkpoint_prefix": prefix or "", "copies": {}}
     (out / SHIM).write_text(SHIM_TEXT)
-    for f in linked:
-        (out / f.name).symlink_to(f)
+    for f in files:
+        if f.name in copied:
+            shutil.copyfile(f, out / f.name)
+            raw[SETTINGS_KEY]["copies"][f.name] = _digest(out / f.name)
+        else:
+            (out / f.name).symlink_to(f)
     # Last: a prepare cut short leaves no config.json of its own, so nothing loads the half-made directory.
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out

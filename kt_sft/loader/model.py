@@ -82,8 +82,12 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     """Every expert tensor (and its scales) is present with the shape config.json implies, before any weight
     is read."""
     arch = architecture_of(config)
-    with init_empty_weights():
-        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (RuntimeError, ValueError, ArithmeticError, TypeError) as e:  # a size no layer can have (vocab_size
+        raise ValueError(f"config.json describes no buildable {config.model_type} model "  # -1, 0 heads, ...)
+                         f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
     top_k = getattr(config, "num_experts_per_tok", None)
     for _, layer, module in experts_modules(skeleton, arch):
         E, two_i, H = module.gate_up_proj.shape

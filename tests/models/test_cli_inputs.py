@@ -241,7 +241,9 @@ def edited_model(model_dir, tmp_path, **changes):
     ({"num_experts_per_tok": 99}, [], r"num_experts_per_tok = 99 of 8 experts; it must be 1 to 8"),
     ({"num_local_experts": 4}, [], r"has model.layers.0.mlp.experts.4.gate_proj.weight, an expert past the 4"),
     ({"hidden_size": "64"}, [], r"config.json is not a valid qwen3_moe configuration \(.*hidden_size"),
-], ids=["kernels", "top_k", "fewer_experts", "string_size"])
+    ({"vocab_size": -1}, [], r"config.json describes no buildable qwen3_moe model \(.*negative dimension"),
+    ({"num_attention_heads": 0}, [], r"config.json describes no buildable qwen3_moe model \(.*by zero"),
+], ids=["kernels", "top_k", "fewer_experts", "string_size", "negative_vocab", "no_heads"])
 def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, changes, extra, message):
     model_dir, _ = adapter
     with pytest.raises(ValueError, match=message):
@@ -254,17 +256,23 @@ def test_prepare_again_drops_the_earlier_models_links_and_keeps_files_of_its_own
     first = tmp_path / "first"
     shutil.copytree(model_dir, first)
     (first / "tokenizer.json").write_text("{}")
+    (first / "original").mkdir()  # a subdirectory: linked
     out = tmp_path / "prepared"
-    assert run(["prepare", str(first), str(out)]) == 0 and (out / "tokenizer.json").is_symlink()
+    assert run(["prepare", str(first), str(out)]) == 0 and (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "original").is_symlink()
     (out / "chat_template.jinja").symlink_to(tmp_path / "my_template.jinja")  # the user's own link
     assert run(["prepare", str(model_dir), str(out)]) == 0
-    assert not (out / "tokenizer.json").exists()  # the first model's tokenizer beside the second's weights
+    # The first model's tokenizer and directory do not stay beside the second's weights.
+    assert not (out / "tokenizer.json").exists() and not (out / "original").exists()
     assert (out / "chat_template.jinja").is_symlink()
-    (out / "generation_config.json").unlink()
     (out / "generation_config.json").write_text("{\"edited\": true}")
-    with pytest.raises(FileExistsError, match="generation_config.json is a file of its own where prepare links"):
+    with pytest.raises(FileExistsError, match="generation_config.json is a file of its own where prepare puts"):
         run(["prepare", str(model_dir), str(out)])
     assert json.loads((out / "generation_config.json").read_text()) == {"edited": True}
+    # A prepare cut short records no copies: those still equal to the source's are its own.
+    (out / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
+    (out / "config.json").unlink()
+    assert run(["prepare", str(model_dir), str(out)]) == 0
 
 
 def test_merge_leaves_an_existing_merging_directory_alone(adapter, tmp_path):

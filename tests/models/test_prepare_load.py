@@ -19,7 +19,7 @@ def saved(tmp_path):
         model = tiny_model(model_type)
         src = tmp_path / f"src_{model_type}"
         model.save_pretrained(src)
-        (src / "tokenizer_config.json").write_text("{}")  # stands for the tokenizer files, linked not copied
+        (src / "tokenizer_config.json").write_text("{}")  # stands for the tokenizer files, copied
         return model, src
     return save
 
@@ -29,7 +29,11 @@ def test_prepared_model_loads_through_auto_class_and_matches(saved, tmp_path, mo
     stock, src = saved(model_type)
     out = tmp_path / "prepared"
     assert run(["prepare", str(src), str(out), "--threads", "2"]) == 0
-    assert (out / "tokenizer_config.json").is_symlink()
+    # Copied, not linked: a save into the prepared directory (a tokenizer's, a training's output_dir) had written
+    # through the links into the source model's files.
+    assert not (out / "tokenizer_config.json").is_symlink()
+    (out / "tokenizer_config.json").write_text('{"padding_side": "left"}')
+    assert (src / "tokenizer_config.json").read_text() == "{}"
     assert not list(out.glob("*.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
     assert type(model).__name__ == type(stock).__name__
