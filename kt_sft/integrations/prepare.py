@@ -30,6 +30,8 @@ from kt_sft.integrations.modeling import KTSFTForCausalLM  # noqa: F401
 '''
 _WEIGHT_FILES = ("model.safetensors.index.json",)
 COPY_BYTES = 64 << 20  # tokenizers and templates are a few MB at most
+# A model directory's tokenizer, whichever kind (fast, sentencepiece, BPE vocabulary, tiktoken: Kimi-K2's).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
 def _digest(path: Path) -> str:
@@ -74,6 +76,11 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                          "configuration).")
     architecture_of(config)
     check_checkpoint(Checkpoint(source, prefix or ""), config, fmt)
+    if not any(f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" for f in source.iterdir()):
+        raise FileNotFoundError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); LLaMA-Factory reads "
+                                "it from the prepared directory, and without one transformers makes a tokenizer of "
+                                "a single token, so training would learn nothing: copy the published model's "
+                                "tokenizer files into it.")
     if out.exists() and any(out.iterdir()) and not (out / SHIM).exists():
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
     files = [f for f in source.iterdir()

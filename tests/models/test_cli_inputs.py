@@ -251,6 +251,20 @@ def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, chan
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_refuses_a_model_without_a_tokenizer(adapter, tmp_path):
+    # LLaMA-Factory reads the tokenizer from the prepared directory; with none, transformers made one of a single
+    # token and training ran to the end on input_ids [1, 1, 1].
+    model_dir, _ = adapter
+    bare = tmp_path / "bare"
+    shutil.copytree(model_dir, bare)
+    (bare / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer .* copy the published model's tokenizer files"):
+        run(["prepare", str(bare), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+    (bare / "tiktoken.model").write_text("")  # Kimi-K2's
+    assert run(["prepare", str(bare), str(tmp_path / "out")]) == 0
+
+
 def test_prepare_again_drops_the_earlier_models_links_and_keeps_files_of_its_own(adapter, tmp_path):
     model_dir, _ = adapter
     first = tmp_path / "first"

@@ -13,14 +13,14 @@ from kt_sft.cli import run
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import tiny_model
+from tiny_models import save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
 def trained_adapter(model_type, tmp_path):
     """The tiny model saved as a checkpoint, and an adapter on its routed experts (random A and B) saved beside it."""
     model = tiny_model(model_type)
-    model.save_pretrained(tmp_path / "model")
+    save_checkpoint(model, tmp_path / "model")
     use_cpu_experts(model)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["experts", "o_proj"], init_lora_weights=False)
     peft_model = get_peft_model(model.requires_grad_(False), lora)
@@ -97,7 +97,7 @@ def test_export_names_what_it_needs(tmp_path):
 
 def test_an_adapter_without_expert_lora_is_named(tmp_path):
     model = tiny_model("qwen3_moe")
-    model.save_pretrained(tmp_path / "model")
+    save_checkpoint(model, tmp_path / "model")
     use_cpu_experts(model)
     get_peft_model(model.requires_grad_(False), LoraConfig(r=4, target_modules=["o_proj"])).save_pretrained(
         tmp_path / "adapter")

@@ -9,7 +9,7 @@ import transformers
 from kt_sft.cli import run
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import CONFIGS, tiny_model
+from tiny_models import CONFIGS, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -255,7 +255,7 @@ def test_a_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
     config.num_hidden_layers += 1
     torch.manual_seed(0)
     src = tmp_path / "src"
-    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(src)
+    save_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32), src)
     published = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**published, "num_hidden_layers": config.num_hidden_layers - 1}))
     stock = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # warns of the extra layer

@@ -12,7 +12,7 @@ import transformers
 from kt_sft.cli import run
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import dequantized_copy, kimi_k25_checkpoint, quantize_checkpoint
-from tiny_models import tiny_model
+from tiny_models import save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 IDS = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -29,7 +29,7 @@ def load(directory):
 def published(tmp_path_factory):
     """fp8: a DeepSeek-V3 checkpoint in FP8 layout; int4: a Kimi-K2 one in RAWINT4 layout."""
     root = tmp_path_factory.mktemp("quantized")
-    tiny_model("deepseek_v3").save_pretrained(root / "bf16")
+    save_checkpoint(tiny_model("deepseek_v3"), root / "bf16")
     return {"fp8": quantize_checkpoint(root / "bf16", root / "fp8", "fp8"),
             "int4": quantize_checkpoint(root / "bf16", root / "int4", "int4", model_type="kimi_k2"),
             "bf16": root / "bf16"}

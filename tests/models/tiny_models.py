@@ -1,6 +1,8 @@
 """Tiny random-initialized transformers MoE models of each supported architecture (no hub access)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
 
@@ -39,3 +41,9 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
             if "gate.e_score_correction_bias" in name:  # deepseek/glm: make the bias matter
                 p.normal_(0, 0.1)
     return model.eval()
+
+
+def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
+    """model.save_pretrained(path), with a stand-in for the tokenizer files that `kt-sft prepare` requires."""
+    model.save_pretrained(path)
+    (Path(path) / "tokenizer_config.json").write_text("{}")
