@@ -80,8 +80,9 @@ def demo(args) -> int:
 def prepare_cmd(args) -> int:
     from .integrations.prepare import prepare
 
+    # Absolute: PEFT records the path a model was loaded from as the adapter's base, which export and merge read.
     out = prepare(args.model_dir, args.out_dir, threads=args.threads, kernels=args.kernels,
-                  expert_format=args.expert_format)
+                  expert_format=args.expert_format).absolute()
     print(f"prepared {out}: load it with trust_remote_code (LLaMA-Factory: model_name_or_path: {out}, "
           "trust_remote_code: true)")
     return 0
@@ -125,7 +126,7 @@ def run(argv=None) -> int:
                                   "library versions").set_defaults(fn=doctor)
     p = sub.add_parser("prepare", help="write a directory that LLaMA-Factory / transformers load with CPU experts")
     p.add_argument("model_dir", help="Hugging Face model directory (config.json + safetensors shards)")
-    p.add_argument("out_dir", help="where to write the prepared directory (small: links and config)")
+    p.add_argument("out_dir", help="where to write the prepared directory (small: config, tokenizer files, links)")
     p.add_argument("--threads", type=int, help="engine threads (default: all CPUs the process may use)")
     p.add_argument("--kernels", help="force a kernel set (default: the best this CPU runs)")
     p.add_argument("--expert-format", choices=["bf16", "fp8", "int4"],

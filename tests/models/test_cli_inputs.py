@@ -74,6 +74,14 @@ def test_a_config_whose_rank_is_not_its_weights_is_refused(adapter, tmp_path, co
     assert not (tmp_path / "out").exists()
 
 
+def test_prepare_prints_the_absolute_path_to_train_from(adapter, tmp_path, monkeypatch, capsys):
+    # The printed path goes into LLaMA-Factory's model_name_or_path, which PEFT records as the adapter's base:
+    # relative, export and merge run from elsewhere could not find it.
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", str(adapter[0]), "prep"]) == 0
+    assert f"model_name_or_path: {tmp_path / 'prep'}," in capsys.readouterr().out
+
+
 def test_merge_into_the_current_directory(adapter, tmp_path, monkeypatch):
     model_dir, adapter_dir = adapter
     (tmp_path / "here").mkdir()
