@@ -129,8 +129,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     module = module.replace(new, old)
                 pairs.setdefault(prefix + module + ".weight", {})[plain["ab"]] = f.get_tensor(key)
             else:
-                raise ValueError(f"the adapter holds {key}, which is not a LoRA matrix (modules_to_save?); kt-sft merge "
-                                 "merges LoRA pairs only.")
+                raise ValueError(f"the adapter holds {key}, {_not_a_pair(key)}; kt-sft merge merges the LoRA pairs of "
+                                 "linear layers only: serve this adapter unmerged.")
     if not pairs:
         raise ValueError(f"{adapter_dir / ADAPTER_WEIGHTS} holds no LoRA matrices; point at the adapter that training "
                          "saved (a checkpoint-N directory or the output directory).")
@@ -145,6 +145,17 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                              "config does not belong to these weights.")
         updates[weight] = (ab["B"], ab["A"], scaling)
     return updates
+
+
+def _not_a_pair(key: str) -> str:
+    """What an adapter tensor that is no linear layer's LoRA pair is, as far as its name tells."""
+    if ".lora_embedding_" in key:
+        return "an embedding's LoRA"
+    if ".lora_B.bias" in key or "lora_bias" in key:
+        return "a LoRA bias (lora_bias=True)"
+    if "modules_to_save" in key or not re.search(r"\.lora_[AB]\.", key):
+        return "a whole trained module (modules_to_save, or trainable tokens)"
+    return "not a LoRA matrix kt-sft knows"
 
 
 def stored_format(ckpt: Checkpoint, weight: str) -> str:

@@ -4,6 +4,7 @@ plus the adapter's update on the published grid (formats' requantize; the update
 modules, not from the adapter file); every other tensor
 and file is unchanged, and the result loads; what the merge cannot do is named, leaving nothing behind."""
 import json
+import re
 import shutil
 
 import peft
@@ -186,6 +187,13 @@ def test_merge_names_what_it_cannot_do(tmp_path):
         with pytest.raises(ValueError, match="changes the base weights .* pissa_convert: true"):
             merge_adapter(model_dir, other, tmp_path / "out")
     (other / "adapter_config.json").write_text(json.dumps(cfg))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    for extra, what in (("base_model.model.model.embed_tokens.lora_embedding_A", "an embedding's LoRA"),
+                        ("base_model.model.model.layers.0.self_attn.o_proj.lora_B.bias", "a LoRA bias"),
+                        ("base_model.model.lm_head.modules_to_save.default.weight", "a whole trained module")):
+        save_file({**lora, extra: torch.zeros(2, 2)}, str(other / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=f"holds {re.escape(extra)}, {what}"):
+            merge_adapter(model_dir, other, tmp_path / "out")
     save_file({}, str(other / "adapter_model.safetensors"))  # had merged nothing and reported success
     with pytest.raises(ValueError, match="holds no LoRA matrices"):
         merge_adapter(model_dir, other, tmp_path / "out")
