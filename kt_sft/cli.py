@@ -161,8 +161,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"kt-sft: {e}", file=sys.stderr)
     except KeyboardInterrupt:
-        print("kt-sft: interrupted; an output directory it had begun writing is incomplete (a merge removes its own, "
-              "prepare completes it when run again): delete it and run the command again.", file=sys.stderr)
+        print("kt-sft: interrupted; an output directory it had begun writing is incomplete (merge and export remove "
+              "their own, prepare completes it when run again): delete it and run the command again.", file=sys.stderr)
         return 130
     return 2
 

@@ -7,19 +7,23 @@ plain LoRA pair: `…mlp.experts.{e}.gate_proj.lora_A.weight` [r, H] and `….lo
 `…block_sparse_moe.experts.{e}.w1…`, w3 for up, w2 for down). Every other tensor (attention, shared experts) is
 copied as it is; adapter_config.json names the projections instead of `experts`. The values are the same numbers:
 each expert's update is unchanged, so nothing is lost and nothing is merged. (Merged full weights:
-`llamafactory-cli export`, README "Merging".)
+`llamafactory-cli export`, README "Merging".) Like `kt-sft merge`, it writes into a temporary directory beside
+out-dir and renames it at the end, so a failure leaves no half-written adapter.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 from ..loader.checkpoint import open_safetensors, write_safetensors
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS
+from .modeling import SETTINGS_KEY
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # A stacked expert LoRA tensor: whatever precedes the layers (PEFT's `base_model.model.`), the layer, the experts
@@ -101,14 +105,53 @@ def require_new_dir(out_dir: Path, what: str) -> None:
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new directory for {what}.")
 
 
+@contextmanager
+def written_beside(out_dir: Path, command: str, suffix: str):
+    """A new directory beside out_dir (`.<name>.<suffix>`) to write into: renamed to out_dir when the block ends,
+    deleted when it fails or is interrupted, so a failure leaves no half-written output for a rerun to refuse.
+    out_dir must be resolved (".": no name to put the directory beside). A system error (a full disk,
+    permissions) is said in one sentence naming out_dir; kt_sft's own OSErrors (write_safetensors') are sentences
+    already and pass as they are."""
+    tmp = out_dir.parent / f".{out_dir.name}.{suffix}"
+    if tmp.exists() or tmp.is_symlink():  # a killed run leaves it; never delete what might be a user's
+        raise FileExistsError(f"{tmp} exists (left by an interrupted {command}?); delete it, then run the {command} "
+                              "again.")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.strerror:
+            cause = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+            raise OSError(f"the {command} to {out_dir} failed ({cause}) and its partial output was removed; fix that "
+                          "(free space, permissions) and run it again.") from None
+        raise
+
+
+def prepared_settings(model_dir: Path, config: dict) -> dict | None:
+    """The settings section of model_dir's config.json (`config`) where model_dir is a `kt-sft prepare` directory,
+    else None."""
+    # A prepared directory holds no weights and points at its source; a model saved from a kt_sft-loaded one (a
+    # full fine-tune, an export) keeps the settings section beside weights of its own, which are the ones it describes.
+    own = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
+    settings = None if own else config.get(SETTINGS_KEY)
+    if settings is not None and not (isinstance(settings, dict) and isinstance(settings.get("source"), str)):
+        raise ValueError(f"{model_dir}/config.json has a {SETTINGS_KEY!r} section that names no source checkpoint; "
+                         "pass the published checkpoint itself.")
+    return settings
+
+
 def text_model_type(config: dict, config_dir: Path) -> str:
     """The canonical model_type of a config's text model."""
     return canonical_model_type(text_config(config, config_dir).get("model_type"))
 
 
-def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> dict:
-    """The config.json of the model the adapter was trained on: model_dir's, else the adapter's
-    base_model_name_or_path's (never the current directory's when that is empty)."""
+def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -> tuple[Path, dict]:
+    """(directory, config.json) of the model the adapter was trained on: model_dir, else the adapter's
+    base_model_name_or_path (never the current directory when that is empty)."""
     recorded = recorded_base(config)
     base = model_dir or recorded
     if not base or not (Path(base) / "config.json").exists():
@@ -118,7 +161,7 @@ def base_config(adapter_dir: Path, config: dict, model_dir: str | Path | None) -
     model = read_config(Path(base))
     if model_dir:
         check_trained_on(adapter_dir, config, text_model_type(model, Path(base)), f"--model {model_dir}", "export")
-    return model
+    return Path(base), model
 
 
 def recorded_base(config: dict) -> str | None:
@@ -164,11 +207,13 @@ def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
 
 def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str | Path | None = None) -> Path:
     """Writes out_dir/adapter_config.json and out_dir/adapter_model.safetensors in the per-expert layout."""
-    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    adapter_dir, out_dir = Path(adapter_dir), resolved(out_dir)
     config = adapter_config(adapter_dir)
     require_new_dir(out_dir, "the per-expert adapter (writing over a saved adapter would lose it)")
-    model = base_config(adapter_dir, config, model_dir)
-    model_type = model.get("model_type")
+    base, model = base_config(adapter_dir, config, model_dir)
+    settings = prepared_settings(base, model)
+    # A prepared directory's config.json is its text model's; the checkpoint it serves may be a composite.
+    model_type = settings.get("source_model_type") if settings else model.get("model_type")
     if composite_prefix(model_type):
         raise ValueError(f"{model_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
@@ -198,7 +243,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
                          "per-expert export.")
     kept = [k for k in targets if not k.endswith("experts")]
     config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out, out_dir / ADAPTER_WEIGHTS, {"format": "pt"})
-    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    with written_beside(out_dir, "export", "exporting") as tmp:
+        write_safetensors(out, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

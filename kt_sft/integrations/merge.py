@@ -34,9 +34,8 @@ from ..loader.checkpoint import Checkpoint, open_safetensors, write_safetensors
 from ..loader.quantization import checkpoint_format, quantization_config_of, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, read_config,
-                     require_new_dir, resolved, text_config)
-from .modeling import SETTINGS_KEY
+from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on,
+                     prepared_settings, read_config, require_new_dir, resolved, text_config, written_beside)
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
 # the weights, e.g. `consolidated.*.pth`, would be unmerged).
@@ -69,14 +68,7 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
         raise FileNotFoundError(f"{model_dir} has no config.json; point at the model the adapter was trained on (the "
                                 "published checkpoint or its `kt-sft prepare` directory).")
     config = read_config(model_dir)
-    settings = config.get(SETTINGS_KEY)
-    # A prepared directory holds no weights and points at its source; a model saved from a kt_sft-loaded one (a
-    # full fine-tune, an export) keeps the settings section beside weights of its own, which are the ones to merge.
-    own = (model_dir / "model.safetensors").exists() or (model_dir / "model.safetensors.index.json").exists()
-    settings = None if own else settings
-    if settings is not None and not (isinstance(settings, dict) and isinstance(settings.get("source"), str)):
-        raise ValueError(f"{model_dir}/config.json has a {SETTINGS_KEY!r} section that names no source checkpoint; "
-                         "pass the published checkpoint itself.")
+    settings = prepared_settings(model_dir, config)
     source = Path(settings["source"]) if settings else model_dir
     if settings and not (source / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} was prepared from {source}, which has no config.json now (moved or "
@@ -240,11 +232,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     # Stored key -> the merged weight it belongs to.
     owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
     report = MergeReport(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.merging"
-    if tmp.exists() or tmp.is_symlink():  # a merge that was killed leaves it; never delete what might be a user's
-        raise FileExistsError(f"{tmp} exists (left by an interrupted merge?); delete it, then run the merge again.")
-    tmp.mkdir(parents=True)
-    try:
+    with written_beside(out_dir, "merge", "merging") as tmp:
         pending: dict[str, dict[str, torch.Tensor]] = {}  # merged weights whose stored keys are not all written yet
         for n, (shard, keys) in enumerate(shards.items()):
             tensors = {}
@@ -267,10 +255,4 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
         for f in source.iterdir():  # config, tokenizer, generation config, remote code: not other weight copies
             if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:
                 shutil.copy(f, tmp / f.name)
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report

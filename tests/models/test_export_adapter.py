@@ -1,18 +1,23 @@
 """`kt-sft export`: a trained adapter's stacked expert LoRA rewritten per expert, loaded by stock PEFT into a module
 tree with one module per expert projection (as transformers 4.x built MoE blocks, named as the checkpoint names
 them), gives every expert's output as the CPU engine computes it with the stacked adapter."""
+import errno
 import json
+import pathlib
+import re
 
 import pytest
 import torch
+import transformers
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
-from kt_sft.cli import run
+from kt_sft.cli import main, run
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import kimi_k25_checkpoint
 from tiny_models import save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
@@ -103,3 +108,51 @@ def test_an_adapter_without_expert_lora_is_named(tmp_path):
         tmp_path / "adapter")
     with pytest.raises(ValueError, match="holds no expert LoRA"):
         run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")])
+
+
+@pytest.mark.parametrize("failure, status, said", [
+    (lambda path: OSError(errno.ENOSPC, "No space left on device", str(path)), 2,
+     r"kt-sft: the export to .*out failed \(No space left on device: .*adapter_config.json\) and its partial output"),
+    (lambda path: KeyboardInterrupt(), 130, "kt-sft: interrupted;"),
+], ids=["disk_full", "ctrl_c"])
+def test_a_failed_export_leaves_nothing_and_runs_again(tmp_path, monkeypatch, capsys, failure, status, said):
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    args = ["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]
+    write_text = pathlib.Path.write_text
+
+    def fail_on_config(path, *a, **k):  # the adapter's weights are written by then
+        if path.name == "adapter_config.json":
+            raise failure(path)
+        return write_text(path, *a, **k)
+    monkeypatch.setattr(pathlib.Path, "write_text", fail_on_config)
+    capsys.readouterr()  # the model's save progress
+    assert main(args) == status
+    assert re.match(said, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.exporting").exists()
+    monkeypatch.undo()
+    assert main(args) == 0 and (tmp_path / "out" / "adapter_config.json").exists()
+
+
+def test_what_a_killed_export_left_is_kept(tmp_path):
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    (tmp_path / ".out.exporting").mkdir()
+    (tmp_path / ".out.exporting" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"\.out\.exporting exists \(left by an interrupted export\?\); delete"):
+        run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)])
+    assert (tmp_path / ".out.exporting" / "notes.txt").read_text() == "mine"
+
+
+def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_path):
+    """Kimi-K2.5's text model sits under `language_model.`: the published checkpoint, its prepared directory (a
+    deepseek_v3 config.json) and the adapter's recorded base (that prepared directory) are all refused alike."""
+    save_checkpoint(tiny_model("deepseek_v3"), tmp_path / "bf16")
+    src = kimi_k25_checkpoint(tmp_path / "bf16", tmp_path / "k25")
+    prepared = tmp_path / "prepared"
+    assert run(["prepare", str(src), str(prepared)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(prepared, trust_remote_code=True, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    get_peft_model(model.requires_grad_(False), lora).save_pretrained(tmp_path / "adapter")
+    for model_args in (["--model", str(src)], ["--model", str(prepared)], []):
+        with pytest.raises(ValueError, match="kimi_k25 is a composite checkpoint; .* not supported for it"):
+            run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), *model_args])
+    assert not (tmp_path / "out").exists()
