@@ -26,6 +26,8 @@ from ..ops.reference import PROJECTIONS
 from .modeling import SETTINGS_KEY
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# The name of the module a plain LoRA matrix belongs to, as target_modules lists it.
+_LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_[AB]\.weight$")
 # A stacked expert LoRA tensor: whatever precedes the layers (PEFT's `base_model.model.`), the layer, the experts
 # module inside it, A or B, and the projection.
 STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\."
@@ -219,9 +221,9 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
     arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model_type)))
     targets = config.get("target_modules")
-    if not isinstance(targets, list):
-        raise ValueError(f"adapter_config.json's target_modules is {targets!r}; the per-expert export needs the list "
-                         "of module names that PEFT saves for LLaMA-Factory's lora_target.")
+    if not isinstance(targets, (list, str)):
+        raise ValueError(f"adapter_config.json's target_modules is {targets!r}; PEFT saves a list of module names or "
+                         "a regular expression there: save the adapter again with PEFT.")
     if any("experts" in k for k in (*config.get("rank_pattern", {}), *config.get("alpha_pattern", {}))):
         raise ValueError("rank_pattern / alpha_pattern entries for the experts have no per-expert equivalent here; "
                          "export an adapter trained with one rank and alpha on the experts.")
@@ -241,6 +243,9 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     if not stacked:
         raise ValueError(f"{adapter_dir} holds no expert LoRA (no `…experts.lora_A.gate`-style tensors); it needs no "
                          "per-expert export.")
+    if isinstance(targets, str):  # a regular expression over module paths: it would match no per-expert module,
+        # so the list of what the adapter holds takes its place
+        targets = sorted({m["leaf"] for m in map(_LORA_LEAF.match, out) if m})
     kept = [k for k in targets if not k.endswith("experts")]
     config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
     with written_beside(out_dir, "export", "exporting") as tmp:

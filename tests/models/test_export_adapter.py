@@ -87,6 +87,18 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
             assert rel_l2(got, want) <= FP32_IO, (layer, e)
 
 
+def test_a_regular_expression_target_becomes_the_list_of_what_the_adapter_holds(tmp_path):
+    # PEFT saves target_modules as a string when it was given a regular expression, which would match no per-expert
+    # module; export had refused it without a way out.
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config,
+                                                                          "target_modules": r".*\.(o_proj|experts)"}))
+    assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
+    exported = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert exported["target_modules"] == sorted(["o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
 def test_export_names_what_it_needs(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
         run(["export", str(tmp_path), str(tmp_path / "out")])
