@@ -669,7 +669,7 @@ class KTExperts(LoadsInPlace, nn.Module):
                     and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
                                      dropout=dropout, beside=beside)
-            if not (self.training and no_recompute_follows()):  # a reference pass leaves the policy's kept pass
+            if not no_recompute_follows():  # a reference pass or a generation leaves a training step's kept pass
                 self.__dict__["_kept"] = None
             if keep:
                 inputs = own(xc, hidden_states), own(idx, top_k_index), own(w, top_k_weights)

@@ -88,13 +88,14 @@ def test_non_reentrant_checkpointing_runs_the_engine_forward_once_per_layer(mode
         assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
 
 
+@pytest.mark.parametrize("between", ["reference", "eval"])
 @pytest.mark.parametrize("gc_kwargs", [None, {"use_reentrant": True}], ids=["no_checkpointing", "reentrant"])
-def test_a_reference_pass_without_grad_keeps_nothing_and_leaves_the_kept_passes(gc_kwargs, monkeypatch):
+def test_a_pass_without_grad_keeps_nothing_and_leaves_the_kept_passes(gc_kwargs, between, monkeypatch):
     # DPO's and KTO's reference pass (TRL, LLaMA-Factory: the policy with its adapter disabled, under no_grad in
     # training mode) between the policy's forward and its backward had dropped every layer's kept first pass and
     # kept its own, which no recompute takes: the recompute ran the engine again, after three steps every module
     # warned of a nondeterministic op and stopped keeping, and without checkpointing its passes sat in host RAM
-    # through the backward.
+    # through the backward. An evaluation or generation in eval mode there had dropped them too.
     calls, layers = [], []
     real = function_module.start_forward
     monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -116,8 +117,13 @@ def test_a_reference_pass_without_grad_keeps_nothing_and_leaves_the_kept_passes(
             model.zero_grad()
             calls.clear()
             loss = model(input_ids=ids, labels=ids).loss
-            with torch.no_grad(), model.disable_adapter():
-                model(input_ids=ids)
+            if between == "reference":
+                with torch.no_grad(), model.disable_adapter():
+                    model(input_ids=ids)
+            else:
+                with torch.no_grad():
+                    model.eval()(input_ids=ids)
+                model.train()
             kept = sum(m.__dict__.get("_kept") is not None for m in experts)
             assert kept == (len(experts) if gc_kwargs else 0)
             loss.backward()
