@@ -68,6 +68,26 @@ def test_logits_match_stock_model(model_type):
 
 
 @pytest.mark.parametrize("model_type", ARCHS)
+def test_batched_generation_with_the_adapter_matches_the_reference(model_type):
+    # What `llamafactory-cli chat` and generate() callbacks run: prompts of several lengths, left-padded, with the
+    # KV cache (one token per step through the engine's decode) and without it.
+    kt, ref = kt_and_reference(model_type)
+    g = torch.Generator().manual_seed(2)
+    lengths = (7, 3, 11)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, -n:] = torch.randint(1, 96, (n,), generator=g)
+        mask[row, -n:] = 1
+    for use_cache in (True, False):
+        out = [m.eval().generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                 use_cache=use_cache, output_logits=True, return_dict_in_generate=True)
+               for m in (kt, ref)]
+        assert torch.equal(out[0].sequences, out[1].sequences), use_cache
+        assert rel_l2(torch.stack(out[0].logits), torch.stack(out[1].logits)) <= FP32_IO
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
 def test_lora_training_steps_match_reference(model_type):
     kt, ref = kt_and_reference(model_type)
     names = lora_tensors(kt)

@@ -18,8 +18,8 @@ CONFIGS = {
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                                      shared_expert_intermediate_size=48, num_experts=8,
                                                      num_experts_per_tok=2),
-    "deepseek_v3": lambda: transformers.DeepseekV3Config(
-        **COMMON, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(  # MLA keeps every head's keys: a padding mask needs them
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
