@@ -22,6 +22,10 @@ CONFIGS = {
         **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(  # DeepSeek-V2-Lite's layout: greedy routing, no q LoRA
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy", q_lora_rank=None,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, routed_scaling_factor=1.0),
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
