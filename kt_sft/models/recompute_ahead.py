@@ -173,10 +173,6 @@ def _work_ahead():
     return previous.compute_ahead if previous is not None and previous.ready() else None
 
 
-def _run_pass(p: Pass, _layer, *args, **kwargs):
-    return p(*args, **kwargs)
-
-
 class RecomputeAhead:
     """A layer's checkpoint function, handed a Pass in place of the layer's call (module docstring)."""
 
@@ -190,7 +186,12 @@ class RecomputeAhead:
             return self.checkpoint(func, *args, **kwargs)
         # Bound to the layer, as the call it stands for: LLaMA-Factory's wrapper looks up the layer's parameters
         # through the function's __self__.
-        return self.checkpoint(types.MethodType(functools.partial(_run_pass, Pass(func)), layer), *args, **kwargs)
+        run = Pass(func)
+
+        def pass_call(_layer, *a, **k):  # a function of its own: torch.compile's checkpoint tracing reads __name__
+            return run(*a, **k)
+
+        return self.checkpoint(types.MethodType(pass_call, layer), *args, **kwargs)
 
 
 def _restores_rng(checkpoint, kwargs) -> bool:

@@ -638,6 +638,10 @@ class KTExperts(LoadsInPlace, nn.Module):
             queued.work = None
         return work
 
+    # Outside any compiled graph (torch.compile, transformers' torch_compile): the engine runs on the CPU anyway, and
+    # traced, this Python had split the model into ~20 graphs, guarded on timer values and drawn dropout seeds from
+    # the compiler's RNG.
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         beside = self.take_beside()

@@ -28,6 +28,7 @@ class WarnMissedExpertTargets:
         self.model = weakref.ref(model)
         self.handles = [m.register_forward_pre_hook(self) for m in experts]
 
+    @torch.compiler.disable  # removes hooks: under torch.compile(fullgraph=True) that was an unclear error
     def __call__(self, module, args):
         if not (module.training and torch.is_grad_enabled()):
             return
