@@ -84,7 +84,14 @@ def configure(threads: int | None = None, kernels: str | None = None, pin: bool 
         )
 
 
-_configuring = threading.Lock()
+def lock_renewed_in_forked_children(namespace: dict, name: str) -> threading.Lock:
+    """A lock stored as namespace[name], made anew in every forked child: one that another thread held at the fork
+    stays held there, and the child's first use of it waited forever."""
+    os.register_at_fork(after_in_child=lambda: namespace.__setitem__(name, threading.Lock()))
+    return threading.Lock()
+
+
+_configuring = lock_renewed_in_forked_children(globals(), "_configuring")
 
 
 def _on_off(value, name: str) -> bool:

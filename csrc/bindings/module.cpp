@@ -79,10 +79,11 @@ struct Pending {
       : ticket(std::move(t)), result(std::move(r)), keep(std::move(k)) {}
   Pending(Pending&&) = default;
   Pending(const Pending&) = delete;
-  // Dropped without wait(): finish the call before its tensors can go.
+  // Dropped without wait() (an exception between a call's start and its wait): finish the call before its tensors
+  // can go. Holding the GIL (engine calls never take it): given back and taken again in a destructor, which may not
+  // unwind, it had aborted the process where the interpreter was shutting down (pybind11#2215).
   ~Pending() {
     if (!ticket || ticket->done()) return;
-    py::gil_scoped_release nogil;
     try {
       ticket->wait();
     } catch (...) {

@@ -13,16 +13,20 @@ void tickets_after_fork() { g_forks.fetch_add(1); }
 
 Ticket::Ticket() : forks_(g_forks.load()) {}
 
-// Only a child's count differs from its tickets', and there no thread but the caller's touches them: done_ needs
-// no lock then (one that a thread of the parent held stays held).
-bool Ticket::from_before_fork() const { return forks_ != g_forks.load() && !done_; }
+// Only a child's count differs from its tickets', and there no thread but the caller's touches them: done_ and error_
+// are read without the lock, which the driver may have held at the fork (between marking a call done and unlocking).
+bool Ticket::from_before_fork() const { return forks_ != g_forks.load(); }
 
 void Ticket::wait() {
-  if (from_before_fork())
-    throw std::runtime_error("this engine call was started before the process forked and runs in the parent "
-                             "only; call the experts again in this process.");
-  std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return done_; });
+  std::unique_lock<std::mutex> lk(mu_, std::defer_lock);
+  if (from_before_fork()) {
+    if (!done_)
+      throw std::runtime_error("this engine call was started before the process forked and runs in the parent "
+                               "only; call the experts again in this process.");
+  } else {
+    lk.lock();
+    cv_.wait(lk, [&] { return done_; });
+  }
   if (error_) {
     auto e = error_;
     error_ = nullptr;
@@ -31,7 +35,7 @@ void Ticket::wait() {
 }
 
 bool Ticket::done() {
-  if (from_before_fork()) return true;
+  if (from_before_fork()) return true;  // done, or never to be here
   std::lock_guard<std::mutex> lk(mu_);
   return done_;
 }

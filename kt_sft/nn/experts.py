@@ -26,7 +26,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._ext import _C, backward_copy_wanted, lora_on_gpu_wanted, require_settings, view
+from .._ext import (_C, backward_copy_wanted, lock_renewed_in_forked_children, lora_on_gpu_wanted, require_settings,
+                    view)
 from ..formats import EXPERT_FORMATS, QuantizedExperts
 from ..ops import grad_clip, host_memory
 from ..ops.at_exit import note_caller
@@ -40,7 +41,7 @@ from ..ops.reference import PROJECTIONS, lora_scale
 # Held while a backward decides where the engine writes a parameter's grad and while it hands that grad over: two
 # threads' backwards through one module would otherwise both find the grad None and the later one's would replace
 # the other's.
-_grads_lock = threading.Lock()
+_grads_lock = lock_renewed_in_forked_children(globals(), "_grads_lock")
 _storage_uses = getattr(torch._C, "_storage_Use_Count", None)
 
 

@@ -30,14 +30,16 @@ transfers: in bench_model at 16 layers the rest of the step grew by about what t
 """
 from __future__ import annotations
 
-import threading
 import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._ext import lock_renewed_in_forked_children
+
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_side_streams_lock = threading.Lock()  # two threads' first uses would each make one, their copies then unordered
+# Two threads' first uses would each make one, their copies then unordered.
+_side_streams_lock = lock_renewed_in_forked_children(globals(), "_side_streams_lock")
 
 
 def _queue_on_side(device: torch.device) -> torch.cuda.Stream:

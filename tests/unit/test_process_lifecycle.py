@@ -23,17 +23,19 @@ def child_status(pid, seconds=60):
     return "hung"
 """
 
-# Engine calls of a second or so on two cores: long enough to be in flight at a fork or at exit.
+# Engine calls of a second or so on two cores: long enough to be in flight at a fork or at exit. A call makes no
+# tensor: torch's own functions give the GIL back through frames that abort a daemon thread the shutdown ends there
+# (pytorch#38228), which would make the exit cases below fail for torch's sake.
 LONG_CALLS = """
 import torch
 from kt_sft._ext import _C, view
 E, H, I, T, K = 8, 1024, 1024, 2048, 4
 gu, dn = (torch.randn(E, 2 * I, H) / 32).bfloat16(), (torch.randn(E, H, I) / 32).bfloat16()
 engine = _C.Engine(E, H, I, view(gu), view(dn))
-x, w, idx = torch.randn(T, H), torch.rand(T, K), torch.randint(0, E, (T, K))
+x, w, idx, out = torch.randn(T, H), torch.rand(T, K), torch.randint(0, E, (T, K)), torch.empty(T, H)
+views = view(x), view(idx), view(w), view(out)
 def queued_call():
-    out = torch.empty(T, H)
-    return engine.forward(view(x), view(idx), view(w), view(out), 0, 0.0, [None] * 6, False, now=False)
+    return engine.forward(*views, 0, 0.0, [None] * 6, False, now=False)
 """
 
 
@@ -60,9 +62,16 @@ for use_engine in (True, False):
     print(use_engine, child_status(pid))
 with torch.no_grad():
     assert torch.equal(m(x, idx, w), y)  # the parent's engine is untouched
+# A lock another thread held at the fork (here this one, configuring) is made anew in the child.
+with kt_sft._ext._configuring:
+    pid = os.fork()
+    if pid == 0:
+        kt_sft.configure(threads=1)
+        os._exit(0)
+print("configure", child_status(pid))
 """)
     assert ran.returncode == 0, ran.stderr
-    assert ran.stdout.split() == ["True", "0", "False", "0"]
+    assert ran.stdout.split() == ["True", "0", "False", "0", "configure", "0"]
 
 
 def test_a_call_in_flight_at_a_fork_fails_in_the_child_with_what_to_do():
@@ -109,6 +118,19 @@ threading.Thread(target=loop, daemon=True).start()
 started.wait()
 """)
     assert running.returncode == 0, running.stderr
+    # Calls dropped without a wait (an exception between a call's start and its wait): the drop waits for the call,
+    # and had given the GIL back and taken it again in a destructor, which aborted during the shutdown.
+    dropped = run_script(LONG_CALLS + """
+import threading
+started = threading.Event()
+def loop():
+    while True:
+        queued_call()
+        started.set()
+threading.Thread(target=loop, daemon=True).start()
+started.wait()
+""")
+    assert dropped.returncode == 0, dropped.stderr
 
 
 def test_configure_keeps_the_pin_setting_asked_for():
