@@ -81,7 +81,7 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
 
 # LoRA initialisations that replace the base weights beside the adapter (PiSSA and OLoRA take its principal part out,
 # CorDA likewise, LoftQ quantizes it): PEFT saves such an adapter converted to a plain one (init_lora_weights True)
-# only when asked to.
+# only when asked to, and LoftQ's never.
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
@@ -98,10 +98,11 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                          "merge; merge one trained with a single rank and alpha.")
     init = config.get("init_lora_weights")
     if isinstance(init, str) and init.lower().startswith(BASE_CHANGING_INITS):
+        way_out = ("serve it unmerged on the quantized base it trained beside" if init.lower().startswith("loftq") else
+                   "save it converted to a plain LoRA (LLaMA-Factory: pissa_convert: true; PEFT: save_pretrained with "
+                   "path_initial_model_for_weight_conversion) and merge that")
         raise ValueError(f"{adapter_dir} was initialised with {init!r}, which changes the base weights it trains "
-                         "beside, so the published weights plus this LoRA are not the trained model; save it "
-                         "converted to a plain LoRA (LLaMA-Factory: pissa_convert: true; PEFT: save_pretrained with "
-                         "path_initial_model_for_weight_conversion) and merge that.")
+                         f"beside, so the published weights plus this LoRA are not the trained model; {way_out}.")
     check_trained_on(adapter_dir, config, model["model_type"], str(model_dir), "merge")
     scaling = lora_scale(config["r"], config["lora_alpha"], config.get("use_rslora", False))
     arch = architecture_of(SimpleNamespace(model_type=model["model_type"]))

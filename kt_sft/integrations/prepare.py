@@ -112,7 +112,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         (out / "config.json").unlink()     # gone before the files change, so one cut short leaves nothing that loads
     for old in out.iterdir():
         if (old.is_symlink() and (old.name in names or Path(os.readlink(old)).parent == earlier_source)) \
-                or earlier_copy(old):
+                or earlier_copy(old) or (old.name.startswith(".") and old.name.endswith(".copying")):
             old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
@@ -121,8 +121,10 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                          "checkpoint_prefix": prefix or "", "copies": {}}
     (out / SHIM).write_text(SHIM_TEXT)
     for f in files:
-        if f.name in copied:
-            shutil.copyfile(f, out / f.name)
+        if f.name in copied:  # whole or not at all: a copy cut short would read as a file of the user's own
+            part = out / f".{f.name}.copying"
+            shutil.copyfile(f, part)
+            os.replace(part, out / f.name)
             raw[SETTINGS_KEY]["copies"][f.name] = _digest(out / f.name)
         else:
             (out / f.name).symlink_to(f)

@@ -291,10 +291,13 @@ def test_prepare_again_drops_the_earlier_models_links_and_keeps_files_of_its_own
     with pytest.raises(FileExistsError, match="generation_config.json is a file of its own where prepare puts"):
         run(["prepare", str(model_dir), str(out)])
     assert json.loads((out / "generation_config.json").read_text()) == {"edited": True}
-    # A prepare cut short records no copies: those still equal to the source's are its own.
+    # A prepare cut short records no copies: those still equal to the source's are its own, and one cut short mid-copy
+    # is under a name of its own (it had been the file's, then refused as the user's).
     (out / "generation_config.json").write_text((model_dir / "generation_config.json").read_text())
     (out / "config.json").unlink()
+    (out / ".tokenizer_config.json.copying").write_text("{")
     assert run(["prepare", str(model_dir), str(out)]) == 0
+    assert not (out / ".tokenizer_config.json.copying").exists()
 
 
 def test_merge_leaves_an_existing_merging_directory_alone(adapter, tmp_path):
