@@ -222,15 +222,15 @@ def recompute_ahead_of_the_engine(model: nn.Module) -> None:
                 if isinstance(child, nn.ModuleList) else []
             if layers:
                 module.register_forward_pre_hook(functools.partial(_wrap_checkpointing, layers))
-                module.register_forward_hook(lambda *_: end_model_forward(), always_call=True)
+                module.register_forward_hook(lambda m, *_: end_model_forward(m), always_call=True)
                 experts_function.beside_backward(_work_ahead)
 
 
-def _wrap_checkpointing(layers, _module, _args) -> None:
+def _wrap_checkpointing(layers, module, _args) -> None:
     checkpointing = False
     for layer in layers:
         checkpointing |= bool(layer.gradient_checkpointing and layer.training)  # GradientCheckpointingLayer's test
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if checkpoint is not None and not isinstance(checkpoint, RecomputeAhead):
             layer._gradient_checkpointing_func = RecomputeAhead(checkpoint)
-    begin_model_forward(checkpointing and torch.is_grad_enabled())
+    begin_model_forward(module, checkpointing and torch.is_grad_enabled())

@@ -45,26 +45,35 @@ class KeptForward(NamedTuple):
     saved: Any  # the engine's state for backward
 
 
-_model_calls = threading.local()  # .follows: per model forward running on this thread, whether a recompute may follow
+_model_calls = threading.local()  # .follows: [(model, whether a recompute may follow)] of the forwards running here
 
 
-def begin_model_forward(recompute_may_follow: bool) -> None:
+def begin_model_forward(model, recompute_may_follow: bool) -> None:
     """Called as a model's forward starts (a pre-hook): whether gradient checkpointing may recompute its layers,
-    i.e. grad is on and checkpointing too. end_model_forward() undoes it, whether the forward returned or raised."""
-    _model_calls.__dict__.setdefault("follows", []).append(recompute_may_follow)
+    i.e. grad is on and checkpointing too. end_model_forward(model) undoes it when the forward returns or raises;
+    an entry of this model still there was left by a forward an interrupt ended (torch runs forward hooks on
+    Exception only), and goes with everything above it."""
+    follows = _model_calls.__dict__.setdefault("follows", [])
+    for i, (running, _) in enumerate(follows):
+        if running is model:
+            del follows[i:]
+            break
+    follows.append((model, recompute_may_follow))
 
 
-def end_model_forward() -> None:
-    follows = getattr(_model_calls, "follows", None)
-    if follows:
-        follows.pop()
+def end_model_forward(model) -> None:
+    follows = getattr(_model_calls, "follows", None) or []
+    for i in range(len(follows) - 1, -1, -1):
+        if follows[i][0] is model:
+            del follows[i:]
+            return
 
 
 def no_recompute_follows() -> bool:
     """Whether this forward runs inside a model's forward that no recompute can follow (begin_model_forward); a
     module called on its own (no model forward around it) may be checkpointed by its caller."""
     follows = getattr(_model_calls, "follows", None)
-    return bool(follows) and not follows[-1]
+    return bool(follows) and not follows[-1][1]
 
 
 def keeps_forward(training: bool) -> bool:

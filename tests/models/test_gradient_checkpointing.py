@@ -154,3 +154,26 @@ def test_a_compiled_model_trains_as_the_uncompiled_one(gc_kwargs):
     torch.compile(model, backend="eager")(input_ids=ids, labels=ids).loss.backward()
     for name, g in plain.items():
         assert rel_l2(dict(model.named_parameters())[name].grad, g) <= FP32_IO, name
+
+
+def test_a_forward_an_interrupt_ended_leaves_no_lasting_mark_on_what_is_kept():
+    # torch runs forward hooks on Exception only: a KeyboardInterrupt inside a model's forward skips the one that
+    # ends its "no recompute follows" mark. The model's next forward takes the stale mark off, where three
+    # interrupted forwards had piled up three that turned keeping off for experts called on their own.
+    from kt_sft.ops import kept_forward
+    model = tiny_model("qwen3_moe")
+    use_cpu_experts(model)
+    experts = next(m for m in model.modules() if isinstance(m, KTExperts)).train()
+    model.train()
+    interrupt = experts.register_forward_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(input_ids=ids)
+    interrupt.remove()
+    assert len(kept_forward._model_calls.follows) == 1
+    with torch.no_grad():
+        model(input_ids=ids)
+        assert not kept_forward._model_calls.follows
+        experts(torch.randn(5, 64), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))  # a checkpoint's first pass
+    assert experts.__dict__.get("_kept") is not None
