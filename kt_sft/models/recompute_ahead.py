@@ -227,10 +227,10 @@ def recompute_ahead_of_the_engine(model: nn.Module) -> None:
 
 
 def _wrap_checkpointing(layers, module, _args) -> None:
-    checkpointing = False
     for layer in layers:
-        checkpointing |= bool(layer.gradient_checkpointing and layer.training)  # GradientCheckpointingLayer's test
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if checkpoint is not None and not isinstance(checkpoint, RecomputeAhead):
             layer._gradient_checkpointing_func = RecomputeAhead(checkpoint)
-    begin_model_forward(module, checkpointing and torch.is_grad_enabled())
+    # A forward without grad builds no graph, so nothing recomputes it; with grad, a pass without grad inside is a
+    # checkpoint's first (transformers' flags, or a checkpoint of the caller's own around the layers).
+    begin_model_forward(module, torch.is_grad_enabled())

@@ -9,8 +9,8 @@ else that shaped the result: LoRA rank, scale and dropout seed (checkpointing re
 drawn from), and the weights, by storage and version counter (an optimizer step in between bumps them).
 Anything else runs the engine as before. One pass is kept per module; one that no recompute takes is dropped by
 the module's next forward. A model's forward that no recompute can follow (called without grad, as DPO's and
-KTO's reference pass is, or with checkpointing off: models/recompute_ahead.py tells, no_recompute_in) neither
-keeps its passes nor drops the ones kept: a reference pass between the policy's forward and its backward had
+KTO's reference pass, an evaluation or a generation is: models/recompute_ahead.py tells, begin_model_forward)
+neither keeps its passes nor drops the ones kept: a reference pass between the policy's forward and its backward had
 thrown away every layer's kept pass, and its own were never taken. A module whose
 recompute found other inputs MISSES_BEFORE_OFF times in a row (a nondeterministic op upstream) stops keeping,
 with a warning: keeping costs its first pass the saving of g/u.
@@ -50,7 +50,7 @@ _model_calls = threading.local()  # .follows: [(model, whether a recompute may f
 
 def begin_model_forward(model, recompute_may_follow: bool) -> None:
     """Called as a model's forward starts (a pre-hook): whether gradient checkpointing may recompute its layers,
-    i.e. grad is on and checkpointing too. end_model_forward(model) undoes it when the forward returns or raises;
+    i.e. grad is on. end_model_forward(model) undoes it when the forward returns or raises;
     an entry of this model still there was left by a forward an interrupt ended (torch runs forward hooks on
     Exception only), and goes with everything above it."""
     follows = _model_calls.__dict__.setdefault("follows", [])
