@@ -177,3 +177,30 @@ def test_a_forward_an_interrupt_ended_leaves_no_lasting_mark_on_what_is_kept():
         assert not kept_forward._model_calls.follows
         experts(torch.randn(5, 64), torch.randint(0, 8, (5, 2)), torch.rand(5, 2))  # a checkpoint's first pass
     assert experts.__dict__.get("_kept") is not None
+
+
+def test_a_checkpoint_of_the_callers_own_around_the_layers_keeps_the_first_pass(monkeypatch):
+    # torch.utils.checkpoint applied by the caller (not through transformers' gradient_checkpointing_enable)
+    # recomputes too: its first pass keeps, as under transformers' checkpointing.
+    import functools
+    from torch.utils.checkpoint import checkpoint
+    calls, layers = [], []
+    real = function_module.start_forward
+    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    plain = grads(None)
+    model = tiny_model("qwen3_moe")
+    use_cpu_experts(model)
+    torch.manual_seed(3)
+    model.requires_grad_(False)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"],
+                                             init_lora_weights=False)).train()
+    for layer in model.get_base_model().model.layers:
+        own = layer.forward
+        layer.forward = lambda x, *a, _own=own, **k: checkpoint(functools.partial(_own, *a, **k), x, use_reentrant=True)
+    model.enable_input_require_grads()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    calls.clear()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # a cache would hold the first pass's keys
+    assert len(calls) == sum(isinstance(m, KTExperts) for m in model.modules())  # once per layer: kept
+    for name, g in plain.items():
+        assert rel_l2(dict(model.named_parameters())[name].grad, g) <= FP32_IO, name
