@@ -53,6 +53,14 @@ def test_checkpointing_gives_same_gradients(use_reentrant, dropout):
         assert rel_l2(ckpt[name].cpu(), g.cpu()) <= FP32_IO, name
 
 
+def engine_forwards(monkeypatch) -> list:
+    """A list that gets an entry at every engine forward from now on."""
+    calls = []
+    real = function_module.start_forward  # every engine forward starts there
+    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here"))
 
 
@@ -96,9 +104,7 @@ def test_a_pass_without_grad_keeps_nothing_and_leaves_the_kept_passes(gc_kwargs,
     # kept its own, which no recompute takes: the recompute ran the engine again, after three steps every module
     # warned of a nondeterministic op and stopped keeping, and without checkpointing its passes sat in host RAM
     # through the backward. An evaluation or generation in eval mode there had dropped them too.
-    calls, layers = [], []
-    real = function_module.start_forward
-    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = engine_forwards(monkeypatch)
     plain = grads(None)
     model = tiny_model("qwen3_moe")
     use_cpu_experts(model)
@@ -184,9 +190,7 @@ def test_a_checkpoint_of_the_callers_own_around_the_layers_keeps_the_first_pass(
     # recomputes too: its first pass keeps, as under transformers' checkpointing.
     import functools
     from torch.utils.checkpoint import checkpoint
-    calls, layers = [], []
-    real = function_module.start_forward
-    monkeypatch.setattr(function_module, "start_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = engine_forwards(monkeypatch)
     plain = grads(None)
     model = tiny_model("qwen3_moe")
     use_cpu_experts(model)
