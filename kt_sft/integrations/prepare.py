@@ -1,6 +1,6 @@
 """`kt-sft prepare <hf-model-dir> <out-dir>`: a small directory that the stock loaders open with
 trust_remote_code. It holds config.json (the original, plus auto_map and a "kt_sft" settings section), a
-one-line modeling shim, and every other file of the source (tokenizer, generation config, chat template): copies
+two-line modeling shim, and every other file of the source (tokenizer, generation config, chat template): copies
 of the files up to COPY_BYTES, links to larger ones and to subdirectories; the weight shards are referenced, never
 copied. Copies, because a save into the prepared directory (a tokenizer's save_pretrained, a training's output_dir)
 wrote through links into the source model's own files. Everything is checked before anything is written.
@@ -85,7 +85,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise FileExistsError(f"{out} exists and is not a kt_sft prepared directory; choose an empty or new one.")
     files = [f for f in source.iterdir()
              if not (f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES)]
-    copied = {f.name for f in files if f.is_file() and f.stat().st_size <= COPY_BYTES}
+    # What prepare copies, by the digest of its content (read once: the checks below and the record use it).
+    copies = {f.name: _digest(f) for f in files if f.is_file() and f.stat().st_size <= COPY_BYTES}
     # An earlier prepare here, perhaps of another model: its links and its unchanged copies go (a link or file of
     # the user's own stays).
     earlier = read_config(out).get(SETTINGS_KEY) if (out / "config.json").is_file() else None
@@ -95,11 +96,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
 
     def earlier_copy(path: Path) -> bool:
         """A copy prepare made, unchanged since: as recorded, or (a prepare cut short records none) as the source's."""
-        if not path.is_file() or path.is_symlink():
-            return False
-        digest = _digest(path) if path.name in earlier_copies or path.name in copied else None
-        return digest is not None and digest in (earlier_copies.get(path.name),
-                                                 _digest(source / path.name) if path.name in copied else None)
+        known = {earlier_copies.get(path.name), copies.get(path.name)} - {None}
+        return bool(known) and path.is_file() and not path.is_symlink() and _digest(path) in known
 
     for f in files:
         mine = out / f.name
@@ -118,14 +116,13 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
                          "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
-                         "checkpoint_prefix": prefix or "", "copies": {}}
+                         "checkpoint_prefix": prefix or "", "copies": copies}
     (out / SHIM).write_text(SHIM_TEXT)
     for f in files:
-        if f.name in copied:  # whole or not at all: a copy cut short would read as a file of the user's own
+        if f.name in copies:  # whole or not at all: a copy cut short would read as a file of the user's own
             part = out / f".{f.name}.copying"
             shutil.copyfile(f, part)
             os.replace(part, out / f.name)
-            raw[SETTINGS_KEY]["copies"][f.name] = _digest(out / f.name)
         else:
             (out / f.name).symlink_to(f)
     # Last: a prepare cut short leaves no config.json of its own, so nothing loads the half-made directory.
