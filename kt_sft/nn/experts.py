@@ -429,17 +429,21 @@ class KTExperts(LoadsInPlace, nn.Module):
         """Every adapter's A and B matrices."""
         return [p for table in (self.lora_A, self.lora_B) for params in table.values() for p in params.values()]
 
+    def check_mergeable(self) -> None:
+        """Refuses merging into FP8/INT4 experts, which would requantize them."""
+        if self.expert_format != "bf16":
+            raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
+                             "adapter separate (kt_sft serves it unmerged), write a merged checkpoint in the published "
+                             "format with `kt-sft merge`, or prepare the model with --expert-format bf16 and merge "
+                             "into its BF16 experts.")
+
     def merge_lora(self, adapter: str, sign: float = 1.0, check_finite: bool = False) -> None:
         """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
         one expert at a time in float32, each weight rounded once to BF16 (so taking it back restores the weights
         to within that rounding, as PEFT's unmerge of a BF16 layer does; into a float32 master, when the weights
         have one, without that rounding). check_finite: every expert's merged weights are checked before any is
         written, so a NaN/Inf in the adapter leaves the weights untouched."""
-        if self.expert_format != "bf16":
-            raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
-                             "adapter separate (kt_sft serves it unmerged), write a merged checkpoint in the published "
-                             "format with `kt-sft merge`, or prepare the model with --expert-format bf16 and merge "
-                             "into its BF16 experts.")
+        self.check_mergeable()
         if adapter not in self.lora_A:
             raise ValueError(f"no LoRA adapter {adapter!r} on these experts (have: {sorted(self.lora_A)}).")
         A, B = self.lora_A[adapter], self.lora_B[adapter]

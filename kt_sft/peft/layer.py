@@ -14,12 +14,16 @@ wraps: peft 0.21 counts everything else on a tuner layer as adapter tensors, so 
 stack in the adapter file and load it back over the model's weights. Until then they stay where the stock experts
 module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the checkpoint's own layout.
 
+PEFT merges module by module (merge_adapter, merge_and_unload), so a refusal raised by the experts themselves
+would come after the modules before them had merged (and, in merge_and_unload, been unloaded). LoraModel's own
+check before any merge is therefore extended to refuse merging into FP8/INT4 experts up front.
+
 The class name contains "Linear" because LLaMA-Factory's `lora_target: all` selects modules by that.
 """
 from __future__ import annotations
 
 import torch
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, LoraModel
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
@@ -185,3 +189,15 @@ class KTExpertsLinear(KTExperts, LoraLayer):
                     new.data = old.data
             return experts
         return KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
+
+
+def _refuse_merging_into_quantized_experts(check_merge_allowed):
+    def checked(self):
+        check_merge_allowed(self)
+        for module in self.model.modules():
+            if isinstance(module, KTExpertsLinear) and any(a in module.lora_A for a in module.active_adapters):
+                module.check_mergeable()
+    return checked
+
+
+LoraModel._check_merge_allowed = _refuse_merging_into_quantized_experts(LoraModel._check_merge_allowed)

@@ -219,7 +219,16 @@ def test_merging_into_quantized_experts_is_refused_and_unloading_keeps_them(publ
     with pytest.raises(ValueError, match="merging LoRA into INT4 experts would requantize them"):
         experts[0].merge()
     assert not experts[0].merged
+    tuned = [m for m in lora.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
     with torch.no_grad():
+        adapted = lora(IDS).logits
+        # PEFT merges module by module: refused before the attention's LoRA, met first, had merged (or been unloaded).
+        for merge in (lora.merge_adapter, lora.merge_and_unload):
+            with pytest.raises(ValueError, match="merging LoRA into INT4 experts would requantize them"):
+                merge()
+            assert [m for m in lora.modules() if isinstance(m, peft.tuners.lora.LoraLayer)] == tuned
+            assert not any(m.merged for m in tuned)
+            assert torch.equal(lora(IDS).logits, adapted)
         with lora.disable_adapter():
             base = lora(IDS).logits
         plain = lora.unload()
@@ -227,6 +236,17 @@ def test_merging_into_quantized_experts_is_refused_and_unloading_keeps_them(publ
         assert torch.equal(plain(IDS).logits, base)
     # Marked as transformers marks a quantized model: LLaMA-Factory then serves an adapter unmerged.
     assert plain.quantization_method == "compressed-tensors"
+
+
+def test_an_adapter_without_the_experts_merges_beside_quantized_experts(published, tmp_path):
+    out = tmp_path / "prepared"
+    run(["prepare", str(published["fp8"]), str(out)])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
+    lora = peft.get_peft_model(load(out).requires_grad_(False), config)
+    with torch.no_grad():
+        adapted = lora(IDS).logits
+        merged = lora.merge_and_unload()
+        assert rel_l2(merged(IDS).logits, adapted) <= FP32_IO
 
 
 def test_a_dense_weight_beside_fp8_scales_in_another_dtype_is_refused(published, tmp_path):
