@@ -46,9 +46,15 @@ class QuantizedExperts:
                        torch.empty(E, 2 * I, g(H), dtype=torch.bfloat16), torch.empty(E, H, g(I), dtype=torch.bfloat16))
         raise ValueError(f"unknown expert format {fmt!r}; choose from {sorted(EXPERT_FORMATS)}.")
 
+    @torch.no_grad()
     def set_expert(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Quantizes one expert's BF16/float weights (gate, up [I, H]; down [H, I]) into slot e."""
+        """Quantizes one expert's BF16/float weights (gate, up [I, H]; down [H, I]) into slot e (values only: no
+        autograd graph from weights that require grad)."""
         E, H, I = self.shape
+        shapes = tuple(tuple(w.shape) for w in (gate, up, down))
+        if shapes != ((I, H), (I, H), (H, I)):
+            raise ValueError(f"expert {e}'s gate, up and down weights have shapes {shapes}; these experts take gate and "
+                             f"up [I, H] = [{I}, {H}] and down [H, I] = [{H}, {I}].")
         mod = fp8_block if self.format == "fp8" else int4_group
         for rows, scale_rows, w, proj in ((slice(0, I), 0, gate, "gate"), (slice(I, 2 * I), 1, up, "up")):
             q, s = mod.quantize(w, f"expert {e}'s {proj} weight")
@@ -61,7 +67,11 @@ class QuantizedExperts:
 
     @classmethod
     def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor) -> "QuantizedExperts":
-        """From BF16/float experts in the fused layout."""
+        """From BF16/float experts in the fused layout: gate_up [E, 2I, H], down [E, H, I]."""
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 or \
+                tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not describe the same "
+                             "experts; they must be [E, 2I, H] and [E, H, I].")
         E, two_i, H = gate_up.shape
         out = cls.empty(fmt, E, H, two_i // 2)
         for e in range(E):

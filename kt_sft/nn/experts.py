@@ -182,6 +182,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):
+            if down_proj is not None:
+                raise ValueError("KTExperts takes quantized experts as one QuantizedExperts, which holds down_proj "
+                                 "too; pass no down_proj with it.")
             self._init_quantized(gate_up_proj, train_base)
         else:
             self._init_bf16(gate_up_proj, down_proj, train_base)
@@ -220,6 +223,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
 
     def _init_quantized(self, q: QuantizedExperts, train_base):
+        if q.format not in ("fp8", "int4"):
+            raise ValueError(f"QuantizedExperts format {q.format!r}: the engine takes 'fp8' and 'int4'.")
         if train_base:
             raise ValueError(f"full-parameter training of {q.format.upper()} expert weights is not supported; load the "
                              "experts in BF16 (a BF16 checkpoint, prepared without --expert-format) to train them, "
@@ -234,6 +239,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             self.register_buffer(name + "_proj" if name in ("gate_up", "down") else name, t, persistent=False)
         self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
                                 view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
+        if self.engine.format != EXPERT_FORMATS[q.format]:
+            raise ValueError(f"QuantizedExperts says {q.format!r} but holds tensors of the {self.engine.format} layout; "
+                             "build it with QuantizedExperts.quantize or QuantizedExperts.empty of that format.")
 
     # Both run on every forward (_weights_read on every backward too); until some expert weight in the process
     # takes a float32 master (which installs the step hook) they cost a decode step a few attribute reads per weight.
@@ -374,6 +382,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"init_lora_weights={init!r} is not supported on routed experts; use true, false or "
                              "'gaussian' (LLaMA-Factory: leave out pissa_init, or train PiSSA without the experts "
                              "among lora_target).")
+        if adapter in self.lora_A:  # replacing it would drop its trained matrices (PEFT refuses the same)
+            raise ValueError(f"these experts already hold a LoRA adapter {adapter!r}; give the new one another name "
+                             "(on a PEFT model, delete_adapter the old one first).")
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         dims = {"gate": (H, I), "up": (H, I), "down": (I, H)}
         A, B = StackedLora(), StackedLora()

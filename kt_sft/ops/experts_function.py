@@ -185,6 +185,9 @@ class EngineCall:
 class StartEngine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, x, top_k_index, top_k_weights, gate_up, down, *lora_params):
+        if x.is_inference():  # as autograd refuses saving one for backward (it has no version counter to check)
+            raise RuntimeError("hidden_states is an inference tensor (made under torch.inference_mode), which cannot "
+                               "be saved for backward; pass a clone made outside inference_mode to train on it.")
         module = call.module
         xc, idx, w, call.lora32 = engine_inputs(module, x, top_k_index, top_k_weights, lora_params)
         r, scale, dropout = call.lora

@@ -195,6 +195,16 @@ def test_bad_inputs_raise_clear_errors(module, mutate, match):
         module(x, idx, w)
 
 
+def test_inference_tensor_hidden_states_are_refused_by_a_training_forward_only(module):
+    x, idx, w, _ = inputs(SHAPE)
+    with torch.inference_mode():
+        xi = x.clone()
+    with pytest.raises(RuntimeError, match="inference tensor .* pass a clone made outside inference_mode"):
+        module(xi, idx, w)  # torch's "Inference tensors do not track version counter." before
+    with torch.no_grad():
+        assert torch.equal(module(xi, idx, w), module(x, idx, w))
+
+
 def test_non_contiguous_input_is_handled_and_raw_views_refuse_it(module):
     x, idx, w, _ = inputs(SHAPE)
     xt = torch.randn(SHAPE.H, SHAPE.T).T  # non-contiguous
@@ -258,6 +268,9 @@ def test_lora_rank_and_projection_checks(module):
         module.add_lora(4, 8.0, projections=("gate", "o_proj"))
     with pytest.raises(ValueError, match="'pissa_niter_16' is not supported on routed experts.*leave out pissa_init"):
         module.add_lora(4, 8.0, init="pissa_niter_16")  # what LLaMA-Factory's pissa_init passes
+    with pytest.raises(ValueError, match="already hold a LoRA adapter 'default'; give the new one another name"):
+        module.add_lora(4, 8.0, projections=("down",))  # it had replaced the trained adapter, without a word
+    module = make_module(SHAPE, lora=False)
     module.add_lora(4, 8.0, projections=("down",))
     x, idx, w, g = inputs(SHAPE)
     grads = run_engine(module, x, idx, w, g)

@@ -188,6 +188,38 @@ def test_shape_and_dtype_mismatches_are_refused():
         int4_group.pack(torch.tensor([[9]], dtype=torch.int8))
     with pytest.raises(ValueError, match="unknown expert format"):
         QuantizedExperts.empty("nf4", 1, 8, 8)
+    with pytest.raises(ValueError, match="format 'nf4': the engine takes 'fp8' and 'int4'"):
+        kt_sft.KTExperts(QuantizedExperts("nf4", q.gate_up, q.down, q.gate_up_scale, q.down_scale))
+    with pytest.raises(ValueError, match="says 'fp8' but holds tensors of the int4_group32 layout"):
+        kt_sft.KTExperts(QuantizedExperts("fp8", q.gate_up, q.down, q.gate_up_scale, q.down_scale))
+    with pytest.raises(ValueError, match="pass no down_proj with it"):
+        kt_sft.KTExperts(q, torch.randn(2, 16, 4))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantizing_weights_of_other_shapes_is_refused(fmt):
+    # INT4 had taken a down of I - 1 columns, its last column decoded from padding as -8 × the group's scale.
+    gate_up, down = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+    for bad_gate_up, bad_down in ((gate_up, down[..., :3]), (gate_up[:, :7], down), (gate_up, down[:1]),
+                                  (gate_up[0], down)):
+        with pytest.raises(ValueError, match="do not describe the same experts"):
+            QuantizedExperts.quantize(fmt, bad_gate_up, bad_down)
+    q = QuantizedExperts.empty(fmt, 2, 16, 4)
+    with pytest.raises(ValueError, match="expert 1's gate, up and down weights have shapes"):
+        q.set_expert(1, gate_up[1, :4], gate_up[1, 4:], down[1, :, :3])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantizing_parameters_that_require_grad_keeps_no_autograd_graph(fmt):
+    # A loaded model's experts are parameters: their codes and scales had carried a graph (~20x their bytes held)
+    # and made the LoRA backward refuse as full-parameter training.
+    gate_up, down = (torch.nn.Parameter(torch.randn(s)) for s in ((2, 8, 16), (2, 16, 4)))
+    q = QuantizedExperts.quantize(fmt, gate_up, down)
+    assert not any(t.requires_grad for t in (q.gate_up, q.down, q.gate_up_scale, q.down_scale))
+    experts = kt_sft.KTExperts(q)
+    experts.add_lora(2, 4.0)
+    experts(torch.randn(3, 16), torch.tensor([[0, 1]] * 3), torch.rand(3, 2)).sum().backward()
+    assert experts.lora_A["default"]["gate"].grad is not None
 
 
 def test_full_parameter_training_of_quantized_experts_is_refused():
