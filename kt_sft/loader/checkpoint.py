@@ -57,11 +57,11 @@ class Checkpoint:
         self.prefix = prefix
         index = self.dir / "model.safetensors.index.json"
         single = self.dir / "model.safetensors"
-        if index.exists():
-            self.shard_of = _weight_map(index)
-        elif single.exists():
+        if single.exists():  # before the index, as transformers reads a directory that holds both
             with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}
+        elif index.exists():
+            self.shard_of = _weight_map(index)
         else:
             raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json; point at "
                                     "a Hugging Face model directory with safetensors weights.")

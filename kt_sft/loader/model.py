@@ -88,8 +88,13 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     except (RuntimeError, ValueError, ArithmeticError, TypeError) as e:  # a size no layer can have (vocab_size
         raise ValueError(f"config.json describes no buildable {config.model_type} model "  # -1, 0 heads, ...)
                          f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
+    marks = tuple(k[1:] for k in weight_keys(fmt, "x.weight") if k != "x.weight")  # only quantized weights have
+    if marks and not any(k.endswith(marks) for k in ckpt.keys()):
+        raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
+                         f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
+                         "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
     top_k = getattr(config, "num_experts_per_tok", None)
-    for _, layer, module in experts_modules(skeleton, arch):
+    for name, layer, module in experts_modules(skeleton, arch):
         E, two_i, H = module.gate_up_proj.shape
         if isinstance(top_k, int) and not 1 <= top_k <= E:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "
@@ -106,6 +111,12 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                 expected.update(keys)
                 for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
                     if key not in ckpt.shard_of:
+                        if f"{name}.gate_up_proj" in ckpt.shard_of:
+                            raise ValueError(f"the checkpoint stores layer {layer}'s routed experts fused "
+                                             f"({name}.gate_up_proj, as a raw state_dict save writes them), where "
+                                             "kt_sft reads the per-expert layout models are published in: load it "
+                                             "with transformers, save it with save_pretrained (which writes that "
+                                             "layout), and prepare that copy.")
                         plain = arch.expert_key(layer, e, p)
                         if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
                             raise _unquantized_expert(plain, fmt)
@@ -281,7 +292,10 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     if target == "bf16":
         accept_per_expert_weights(model, arch)
     if config.tie_word_embeddings:
-        model.tie_weights()
+        # As from_pretrained ties: a checkpoint that holds both, different, keeps them apart (config.json is wrong
+        # there), and one that holds only the tied-to side ties the other way round.
+        missing = {n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
+        model.tie_weights(missing_keys=missing, recompute_mapping=False)
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise ValueError(f"the checkpoint lacks {still_meta[:3]}{' and more' if len(still_meta) > 3 else ''}; "

@@ -189,7 +189,9 @@ def indexed_copy(model_dir, tmp_path, shard_name):
     other = tmp_path / "indexed"
     shutil.copytree(model_dir, other)
     keys = list(load_file(other / "model.safetensors"))
-    if not shard_name.startswith(("/", "..")):
+    if shard_name.startswith(("/", "..")):
+        (other / "model.safetensors").unlink()  # read before any index, as transformers reads a directory
+    else:
         (other / shard_name).parent.mkdir(parents=True, exist_ok=True)
         (other / "model.safetensors").rename(other / shard_name)
     (other / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: shard_name for k in keys}}))
@@ -230,6 +232,8 @@ def test_a_broken_model_config_or_index_is_named(adapter, tmp_path, file, text, 
     model_dir, adapter_dir = adapter
     other = tmp_path / "broken"
     shutil.copytree(model_dir, other)
+    if file.endswith(".index.json"):  # sharded: a model.safetensors would be read instead of any index
+        (other / "model.safetensors").rename(other / "model-00001-of-00001.safetensors")
     (other / file).write_text(text)
     args = [str(other), str(adapter_dir)] if command == "merge" else [str(other)]
     with pytest.raises(ValueError, match=message):

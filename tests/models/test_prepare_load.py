@@ -116,6 +116,62 @@ def test_a_stale_index_is_named(saved, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
+def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(saved, tmp_path):
+    # from_pretrained reads model.safetensors where both are present; the loader had read the index's shards.
+    stock, src = saved("qwen3_moe")
+    from safetensors.torch import load_file, save_file
+    other = {k: torch.randn_like(v) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(other, str(src / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model-00001-of-00001.safetensors" for k in other}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("stored", ["both", "lm_head_only"])
+def test_tied_embeddings_follow_what_the_checkpoint_holds(tmp_path, stored):
+    # config.json ties them. A checkpoint with its own, other lm_head keeps it, as from_pretrained does (the loader
+    # had tied it to the embeddings, logits wholly off); one with the lm_head alone ties the other way round (it had
+    # been refused as incomplete).
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "src"
+    save_checkpoint(tiny_model("qwen3_moe"), src)
+    state = load_file(str(src / "model.safetensors"))
+    if stored == "lm_head_only":
+        state["lm_head.weight"] = state.pop("model.embed_tokens.weight")
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    stock = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_experts_stored_fused_are_refused_with_the_fix(saved, tmp_path):
+    # A raw state_dict save keeps the experts as the transformers 5 module holds them; the refusal had blamed
+    # config.json.
+    _, src = saved("qwen3_moe")
+    from safetensors.torch import load_file, save_file
+    state = load_file(str(src / "model.safetensors"))
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{e}.gate_proj.weight"),
+                                                            state.pop(f"{p}{e}.up_proj.weight")]) for e in range(8)])
+        state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"stores layer 0's routed experts fused \(model.layers.0.mlp.experts"
+                                         r".gate_up_proj.*save it with save_pretrained"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 def test_config_that_disagrees_with_weights_is_refused(saved, tmp_path):
     _, src = saved("qwen3_moe")
     cfg = json.loads((src / "config.json").read_text())

@@ -127,6 +127,19 @@ def test_unsupported_quantization_is_named(published, tmp_path, qc, match):
         (published["bf16"] / "config.json").write_text(json.dumps(cfg))
 
 
+def test_bf16_weights_under_a_quantization_config_are_named(published, tmp_path):
+    # What DeepSeek's fp8_cast_bf16.py leaves: BF16 weights, config.json unchanged. The refusal had called one
+    # expert unquantized among FP8 ones.
+    src = tmp_path / "cast"
+    save_checkpoint(tiny_model("deepseek_v3"), src)
+    config = json.loads((src / "config.json").read_text())
+    qc = json.loads((published["fp8"] / "config.json").read_text())["quantization_config"]
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    with pytest.raises(ValueError, match="declares FP8 weights .* holds no .weight_scale_inv tensors.*remove "
+                                         "quantization_config"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 def test_missing_scales_are_named(published, tmp_path):
     from safetensors.torch import load_file, save_file
     src = tmp_path / "broken"
