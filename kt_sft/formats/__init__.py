@@ -19,6 +19,14 @@ from . import fp8_block, int4_group
 EXPERT_FORMATS = {"bf16": "bf16", "fp8": "fp8_block128", "int4": "int4_group32"}
 
 
+def check_fused_layout(gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """gate_up [E, 2I, H] and down [E, H, I] of the same experts, or a ValueError that says what they must be."""
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 or \
+            tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+        raise ValueError(f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not describe the "
+                         "same experts; they must be [E, 2I, H] and [E, H, I].")
+
+
 @dataclass
 class QuantizedExperts:
     format: str  # "fp8" or "int4"
@@ -68,10 +76,7 @@ class QuantizedExperts:
     @classmethod
     def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor) -> "QuantizedExperts":
         """From BF16/float experts in the fused layout: gate_up [E, 2I, H], down [E, H, I]."""
-        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 or \
-                tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
-            raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not describe the same "
-                             "experts; they must be [E, 2I, H] and [E, H, I].")
+        check_fused_layout(gate_up, down)
         E, two_i, H = gate_up.shape
         out = cls.empty(fmt, E, H, two_i // 2)
         for e in range(E):

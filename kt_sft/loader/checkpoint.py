@@ -1,7 +1,8 @@
 """A safetensors checkpoint directory: which shard holds which key, tensor shapes from the headers (no
 weight is read to check a checkpoint), tensors read one at a time, and expert weights read with plain
 file reads straight into the engine's buffers (no memory map, whose touched pages would stay in the
-process's RSS next to the engine's copy, and no intermediate tensor)."""
+process's RSS next to the engine's copy, and no intermediate tensor but one converted copy where the stored
+dtype is not the engine's)."""
 from __future__ import annotations
 
 import json
@@ -150,11 +151,16 @@ class Checkpoint:
             buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
             with open(shard, "rb", buffering=0) as f:
                 f.seek(offset)
-                if f.readinto(buf) != len(buf):
-                    raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
+                done = 0
+                while done < len(buf):  # one read returns at most ~2 GiB on Linux
+                    n = f.readinto(buf[done:])
+                    if not n:
+                        raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
+                    done += n
         else:
-            out.copy_(self.get(key))
+            out.copy_(self.read_new(key))
 
 
 # safetensors dtypes whose file bytes are the torch tensor's bytes (little-endian x86).
-_RAW_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "F32": torch.float32}
+_RAW_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "F32": torch.float32,
+               "F16": torch.float16}

@@ -280,12 +280,12 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         E, two_i, H = module.gate_up_proj.shape
         try:
             weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target)
-            experts = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
+            engine = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
             raise ValueError(f"layer {layer}'s routed experts: {e}") from None
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, experts)
-        placed.append(experts)
+        setattr(model.get_submodule(parent), child, engine)
+        placed.append(engine)
 
     overlap_with_the_engine(model, arch)
     WarnMissedExpertTargets(model, placed)

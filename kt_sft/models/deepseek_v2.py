@@ -1,5 +1,5 @@
 """DeepSeek-V2 / V2-Lite."""
 from .registry import MoEArchitecture, register
 
-ARCH = register(MoEArchitecture("deepseek_v2", experts_classes=("DeepseekV2Experts", "DeepseekV2NaiveMoe"),
-                                shared_experts="shared_experts"))
+register(MoEArchitecture("deepseek_v2", experts_classes=("DeepseekV2Experts", "DeepseekV2NaiveMoe"),
+                          shared_experts="shared_experts"))

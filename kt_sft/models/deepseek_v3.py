@@ -5,7 +5,7 @@ as text_config beside a vision tower and prefixes the text model's weight keys w
 model is served the same way (the vision tower is not loaded)."""
 from .registry import MoEArchitecture, register, register_alias, register_composite
 
-ARCH = register(MoEArchitecture("deepseek_v3", experts_classes=("DeepseekV3NaiveMoe", "DeepseekV3Experts"),
-                                shared_experts="shared_experts"))
+register(MoEArchitecture("deepseek_v3", experts_classes=("DeepseekV3NaiveMoe", "DeepseekV3Experts"),
+                          shared_experts="shared_experts"))
 register_alias("kimi_k2", "deepseek_v3")
 register_composite("kimi_k25", "language_model.")

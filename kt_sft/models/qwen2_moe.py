@@ -1,4 +1,4 @@
 """Qwen2-MoE / Qwen1.5-MoE (shared expert stays on the GPU)."""
 from .registry import MoEArchitecture, register
 
-ARCH = register(MoEArchitecture("qwen2_moe", experts_classes=("Qwen2MoeExperts",)))
+register(MoEArchitecture("qwen2_moe", experts_classes=("Qwen2MoeExperts",)))

@@ -1,4 +1,4 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B)."""
 from .registry import MoEArchitecture, register
 
-ARCH = register(MoEArchitecture("qwen3_moe", experts_classes=("Qwen3MoeExperts",)))
+register(MoEArchitecture("qwen3_moe", experts_classes=("Qwen3MoeExperts",)))

@@ -28,7 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ext import (_C, backward_copy_wanted, lock_renewed_in_forked_children, lora_on_gpu_wanted, require_settings,
                     view)
-from ..formats import EXPERT_FORMATS, QuantizedExperts
+from ..formats import EXPERT_FORMATS, QuantizedExperts, check_fused_layout
 from ..ops import grad_clip, host_memory
 from ..ops.at_exit import note_caller
 from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_caller, to_engine
@@ -214,9 +214,7 @@ class KTExperts(LoadsInPlace, nn.Module):
         if max(E, two_i, H) >= 2**31:
             raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)}: the engine takes experts, and rows and columns "
                              "of their weights, fewer than 2**31 each.")
-        if two_i % 2 or tuple(down_proj.shape) != (E, H, two_i // 2):
-            raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} do not "
-                             "describe the same experts; they must be [E, 2I, H] and [E, H, I].")
+        check_fused_layout(gate_up_proj, down_proj)
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
         self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
         self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)

@@ -2,11 +2,13 @@
 training call is two autograd nodes, StartEngine and EngineResult, so that GPU work queued between them runs
 while the engine computes, in forward and in backward (EngineCall says how).
 
-Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 CPU matrices go straight
-into `param.grad` (KTExperts.lora_grad_into: a buffer the module keeps and reuses when the grad is None, else
-added into the grad an earlier micro-batch left), else they are returned to autograd in the parameters'
-dtype; base-weight grads (full mode) are accumulated by the engine straight into `param.grad` (created as
-zeros when missing), so a multi-GB expert stack is never materialized twice. That is under backward(); under
+Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 matrices (on the CPU, or on
+the GPU through a pinned buffer) go straight into `param.grad` (KTExperts.lora_grad_into: a buffer the module
+keeps and reuses when the grad is None, else added into the grad an earlier micro-batch left), except those of
+a matrix given for two projections or with hooks, which are returned to autograd in the parameters' dtype, as
+are other matrices'; base-weight grads (full mode) are accumulated by the engine straight into `param.grad`
+(created as zeros when missing), so a multi-GB expert stack is never materialized twice, except where hooks
+must see them. That is under backward(); under
 torch.autograd.grad() both are returned, and backward(inputs=...) computes none that it does not name
 (grad_destination).
 """
@@ -321,8 +323,10 @@ def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -
     for param, wanted in ((module.gate_up_proj, need[GATE_UP_INPUT]), (module.down_proj, need[DOWN_INPUT])):
         where = grad_destination(param) if wanted else NOWHERE
         grad = param.grad
-        if where == INTO_GRAD and grad is not None and not (grad.is_contiguous() and grad.dtype == param.dtype):
-            where = TO_CALLER  # a grad the engine cannot add into in place (strided, another dtype): autograd does
+        if where == INTO_GRAD and (grad is not None and not (grad.is_contiguous() and grad.dtype == param.dtype) or
+                                   param._backward_hooks or param._post_accumulate_grad_hooks):
+            where = TO_CALLER  # a grad the engine cannot add into in place (strided, another dtype), or one that
+            # hooks must see (as the LoRA's above): autograd accumulates it
         target = (module.base_grad(param) if where == INTO_GRAD else torch.zeros_like(param) if where == TO_CALLER
                   else None)
         base.append(target)

@@ -145,7 +145,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    if a.numel() % 8 == 0:
+    if a.numel() % 8 == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:  # a view of int64 needs both
         a, b = a.view(torch.int64), b.view(torch.int64)
     return torch.equal(a, b)
 

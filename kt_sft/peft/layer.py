@@ -15,12 +15,15 @@ stack in the adapter file and load it back over the model's weights. Until then 
 module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the checkpoint's own layout.
 
 PEFT merges module by module (merge_adapter, merge_and_unload), so a refusal raised by the experts themselves
-would come after the modules before them had merged (and, in merge_and_unload, been unloaded). LoraModel's own
-check before any merge is therefore extended to refuse merging into FP8/INT4 experts up front.
+would come after the modules before them had merged (and, in merge_and_unload, been unloaded): LoraModel's
+merge_adapter and merge_and_unload (its _unload_and_optionally_merge) refuse merging into FP8/INT4 experts first.
 
 The class name contains "Linear" because LLaMA-Factory's `lora_target: all` selects modules by that.
 """
 from __future__ import annotations
+
+import functools
+import inspect
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
@@ -191,13 +194,25 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         return KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
 
 
-def _refuse_merging_into_quantized_experts(check_merge_allowed):
-    def checked(self):
-        check_merge_allowed(self)
-        for module in self.model.modules():
-            if isinstance(module, KTExpertsLinear) and any(a in module.lora_A for a in module.active_adapters):
-                module.check_mergeable()
+def _refusing_merges_into_quantized_experts(method, merges):
+    """LoraModel's `method`, first refusing (before any module merges) to merge into FP8/INT4 experts that hold an
+    adapter the call merges: those named, else the active ones, as each layer's merge picks them."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        if merges(call.arguments):
+            names = call.arguments.get("adapter_names")
+            for module in self.model.modules():
+                if isinstance(module, KTExpertsLinear) and \
+                        any(a in module.lora_A for a in (module.active_adapters if names is None else names)):
+                    module.check_mergeable()
+        return method(self, *args, **kwargs)
     return checked
 
 
-LoraModel._check_merge_allowed = _refuse_merging_into_quantized_experts(LoraModel._check_merge_allowed)
+LoraModel.merge_adapter = _refusing_merges_into_quantized_experts(LoraModel.merge_adapter, lambda args: True)
+LoraModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts(
+    LoraModel._unload_and_optionally_merge, lambda args: args.get("merge", True))

@@ -256,8 +256,15 @@ def test_an_adapter_without_the_experts_merges_beside_quantized_experts(publishe
     run(["prepare", str(published["fp8"]), str(out)])
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj"], init_lora_weights=False)
     lora = peft.get_peft_model(load(out).requires_grad_(False), config)
+    lora.add_adapter("experts_too", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"]))
+    tuned = [m for m in lora.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
     with torch.no_grad():
         adapted = lora(IDS).logits
+        # Named, not active: refused before the attention's LoRA merges it.
+        with pytest.raises(ValueError, match="merging LoRA into FP8 experts would requantize them"):
+            lora.merge_adapter(adapter_names=["experts_too"])
+        assert not any(m.merged for m in tuned)
+        lora.delete_adapter("experts_too")
         merged = lora.merge_and_unload()
         assert rel_l2(merged(IDS).logits, adapted) <= FP32_IO
 

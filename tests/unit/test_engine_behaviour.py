@@ -397,6 +397,20 @@ def test_a_tensor_hook_on_a_lora_matrix_sees_and_changes_its_grad(module):
     assert torch.equal(hooked["dA_gate"], 2 * plain["dA_gate"]) and torch.equal(hooked["dA_up"], plain["dA_up"])
 
 
+def test_hooks_on_trainable_expert_weights_see_and_change_their_grads():
+    # Full mode: the engine had written the grad into .grad and handed the tensor hook None.
+    full = make_module(SHAPE, lora=False, train_base=True)
+    x, idx, w, g = inputs(SHAPE)
+    plain = run_engine(full, x, idx, w, g)
+    seen, after = [], []
+    full.gate_up_proj.register_hook(lambda grad: seen.append(grad.clone()) or 2 * grad)
+    full.down_proj.register_post_accumulate_grad_hook(lambda p: after.append(p.grad.clone()))
+    hooked = run_engine(full, x, idx, w, g)
+    assert len(seen) == 1 and torch.equal(seen[0], plain["d_gate_up"])
+    assert torch.equal(hooked["d_gate_up"], 2 * plain["d_gate_up"]) and torch.equal(hooked["d_down"], plain["d_down"])
+    assert len(after) == 1 and torch.equal(after[0], plain["d_down"])
+
+
 @pytest.mark.parametrize("keep", [lambda t: t, lambda t: t.detach(), lambda t: t.data, lambda t: t.view(-1)],
                          ids=["itself", "detach", "data", "view"])
 def test_a_grad_kept_from_an_earlier_step_is_left_alone(module, keep):
