@@ -31,7 +31,7 @@ import torch
 
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import Checkpoint, open_safetensors, write_safetensors
-from ..loader.quantization import checkpoint_format, quantization_config_of, weight_keys
+from ..loader.quantization import checkpoint_format, quantization_config_of, read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on,
@@ -165,16 +165,9 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
                   report: MergeReport) -> dict[str, torch.Tensor]:
     """The stored tensors (weight_keys of its format, stored_format's) of `weight` with its LoRA update merged."""
     keys = weight_keys(fmt, weight)
+    _, stored = read_weight(ckpt, keys[0])  # float32 values where quantized (the loader's checks included)
+    w = stored.to(torch.float32)
     scales = ckpt.get(keys[1]) if fmt in ("int4", "fp8") else None
-    if fmt == "int4":
-        shape = ckpt.get(keys[2])
-        cols = int(shape[1])
-        w = int4_group.dequantize(ckpt.get(keys[0]), scales, cols, keys[0])
-    elif fmt == "fp8":
-        w = fp8_block.dequantize(ckpt.get(keys[0]), scales, keys[0])
-    else:
-        stored = ckpt.get(weight)
-        w = stored.to(torch.float32)
     b, a, scaling = update
     if (b.shape[0], a.shape[1]) != tuple(w.shape):
         raise ValueError(f"the adapter's LoRA on {weight.removesuffix('.weight')} makes a {b.shape[0]}x{a.shape[1]} "
@@ -185,8 +178,8 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
     if fmt == "int4":
         packed, scale = int4_group.requantize(new, scales, base=w)
-        out = {keys[0]: packed, keys[1]: scale, keys[2]: shape}
-        back = int4_group.dequantize(packed, scale, cols)
+        out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
+        back = int4_group.dequantize(packed, scale, w.shape[1])
     elif fmt == "fp8":
         q, scale_inv = fp8_block.requantize(new, scales, base=w)
         out = {keys[0]: q, keys[1]: scale_inv}
