@@ -27,6 +27,7 @@ import inspect
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
+from peft.tuners.oft import OFTModel
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
@@ -216,3 +217,20 @@ def _refusing_merges_into_quantized_experts(method, merges):
 LoraModel.merge_adapter = _refusing_merges_into_quantized_experts(LoraModel.merge_adapter, lambda args: True)
 LoraModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts(
     LoraModel._unload_and_optionally_merge, lambda args: args.get("merge", True))
+
+
+def _refusing_the_experts(create_and_replace, method: str):
+    """A PEFT tuner's `_create_and_replace` that names the routed experts, which only LoRA adapts, where PEFT's own
+    refusal is a traceback about an unsupported module (LLaMA-Factory's `lora_target: all`, which selects the
+    experts by their class name, is OFT's default targets too)."""
+    @functools.wraps(create_and_replace)
+    def checked(self, config, adapter_name, target, *args, **kwargs):
+        if isinstance(target, KTExpertsLinear):
+            raise ValueError(f"{method} cannot adapt the routed experts (KTExpertsLinear, selected by lora_target: all "
+                             "or 'experts'); name the other modules instead (e.g. lora_target: q_proj,k_proj,v_proj,"
+                             "o_proj), or train the experts with LoRA.")
+        return create_and_replace(self, config, adapter_name, target, *args, **kwargs)
+    return checked
+
+
+OFTModel._create_and_replace = _refusing_the_experts(OFTModel._create_and_replace, "OFT")

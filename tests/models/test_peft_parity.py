@@ -284,6 +284,14 @@ def test_peft_features_the_experts_cannot_serve_are_named():
         kt.eval()(ids, adapter_names=["x", "y"])
 
 
+def test_oft_on_the_experts_is_refused_with_the_fix():
+    # LLaMA-Factory's lora_target: all selects the experts for OFT too: PEFT's refusal had been a traceback.
+    from peft import OFTConfig
+    with pytest.raises(ValueError, match="OFT cannot adapt the routed experts .* q_proj,k_proj,v_proj,o_proj"):
+        get_peft_model(kt_model(), OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj", "experts"]))
+    get_peft_model(kt_model(), OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj"]))
+
+
 class LigerExperts(torch.nn.Module):
     """Stands for Liger Kernel's experts class (enable_liger_kernel puts it in place of the MoE experts): the stock
     layout and call, computed in PyTorch."""
