@@ -2,15 +2,14 @@
 training call is two autograd nodes, StartEngine and EngineResult, so that GPU work queued between them runs
 while the engine computes, in forward and in backward (EngineCall says how).
 
-Gradients: x and top_k_weights are returned to autograd; LoRA A/B grads of float32 matrices (on the CPU, or on
+Gradients: x and top_k_weights are returned to autograd. LoRA A/B grads of float32 matrices (on the CPU, or on
 the GPU through a pinned buffer) go straight into `param.grad` (KTExperts.lora_grad_into: a buffer the module
-keeps and reuses when the grad is None, else added into the grad an earlier micro-batch left), except those of
-a matrix given for two projections or with hooks, which are returned to autograd in the parameters' dtype, as
-are other matrices'; base-weight grads (full mode) are accumulated by the engine straight into `param.grad`
-(created as zeros when missing), so a multi-GB expert stack is never materialized twice, except where hooks
-must see them. That is under backward(); under
-torch.autograd.grad() both are returned, and backward(inputs=...) computes none that it does not name
-(grad_destination).
+keeps and reuses when the grad is None, else added into the grad an earlier micro-batch left); those of other
+matrices, of one given for two projections and of one with hooks are returned to autograd in the parameters'
+dtype. Base-weight grads (full mode) are accumulated by the engine straight into `param.grad` (created as zeros
+when missing), so a multi-GB expert stack is never materialized twice, unless hooks must see them. That is
+under backward(); under torch.autograd.grad() both are returned, and backward(inputs=...) computes none that it
+does not name (grad_destination).
 """
 from __future__ import annotations
 

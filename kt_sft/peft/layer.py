@@ -17,6 +17,7 @@ module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the
 PEFT merges module by module (merge_adapter, merge_and_unload), so a refusal raised by the experts themselves
 would come after the modules before them had merged (and, in merge_and_unload, been unloaded): LoraModel's
 merge_adapter and merge_and_unload (its _unload_and_optionally_merge) refuse merging into FP8/INT4 experts first.
+OFTModel refuses the experts as targets in one sentence (PEFT's own refusal is a traceback).
 
 The class name contains "Linear" because LLaMA-Factory's `lora_target: all` selects modules by that.
 """
