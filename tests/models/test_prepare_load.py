@@ -116,6 +116,15 @@ def test_a_stale_index_is_named(saved, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
+def prepared_matches(src, out, stock):
+    """src prepared into out and loaded through the auto class gives stock's logits."""
+    assert run(["prepare", str(src), str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
 def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(saved, tmp_path):
     # from_pretrained reads model.safetensors where both are present; the loader had read the index's shards.
     stock, src = saved("qwen3_moe")
@@ -124,12 +133,7 @@ def test_a_single_file_beside_an_index_is_read_as_transformers_reads_it(saved, t
     save_file(other, str(src / "model-00001-of-00001.safetensors"), metadata={"format": "pt"})
     weight_map = {k: "model-00001-of-00001.safetensors" for k in other}
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
-                                                              dtype=torch.float32)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+    prepared_matches(src, tmp_path / "out", stock)
 
 
 @pytest.mark.parametrize("stored", ["both", "lm_head_only"])
@@ -147,12 +151,7 @@ def test_tied_embeddings_follow_what_the_checkpoint_holds(tmp_path, stored):
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     stock = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
-                                                              dtype=torch.float32)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+    prepared_matches(src, tmp_path / "out", stock)
 
 
 def test_experts_stored_fused_are_refused_with_the_fix(saved, tmp_path):
