@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from ..formats import fp8_block, int4_group
-from ..loader.checkpoint import Checkpoint, open_safetensors, write_safetensors
+from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
 from ..loader.quantization import checkpoint_format, quantization_config_of, read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -247,6 +247,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
             if progress:
                 progress(n + 1, len(shards), shard)
         for f in source.iterdir():  # config, tokenizer, generation config, remote code: not other weight copies
-            if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:
+            # An index beside model.safetensors is not what was read (Checkpoint reads the single file first).
+            if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES and not (f.name == INDEX_NAME and not ckpt.from_index):
                 shutil.copy(f, tmp / f.name)
     return report

@@ -49,6 +49,9 @@ def _weight_map(index: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
+INDEX_NAME = "model.safetensors.index.json"
+
+
 class Checkpoint:
     """Keys are the checkpoint's own, or, with `prefix` (e.g. "language_model." for Kimi-K2.5, whose text model
     sits beside a vision tower), only the keys under it, with the prefix removed."""
@@ -56,8 +59,9 @@ class Checkpoint:
     def __init__(self, directory: str | Path, prefix: str = ""):
         self.dir = Path(directory)
         self.prefix = prefix
-        index = self.dir / "model.safetensors.index.json"
+        index = self.dir / INDEX_NAME
         single = self.dir / "model.safetensors"
+        self.from_index = not single.exists() and index.exists()
         if single.exists():  # before the index, as transformers reads a directory that holds both
             with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}

@@ -380,7 +380,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"init_lora_weights={init!r} is not supported on routed experts; use true, false or "
                              "'gaussian' (LLaMA-Factory: leave out pissa_init, or train PiSSA without the experts "
                              "among lora_target).")
-        if adapter in self.lora_A:  # replacing it would drop its trained matrices (PEFT refuses the same)
+        if adapter in self.lora_A:  # replacing it would drop its trained matrices
             raise ValueError(f"these experts already hold a LoRA adapter {adapter!r}; give the new one another name "
                              "(on a PEFT model, delete_adapter the old one first).")
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size

@@ -108,6 +108,13 @@ class KTExpertsLinear(KTExperts, LoraLayer):
                     base._non_persistent_buffers_set.add(name)
                     self._non_persistent_buffers_set.discard(name)
             self.base_layer = base
+        if adapter_name in self.lora_A:
+            # PEFT replaces an adapter of the same name layer by layer, as its own layers overwrite theirs: so here,
+            # its update taken out of the weights first if merged (add_lora itself refuses a name it holds).
+            self._unmerge_adapter(adapter_name)
+            for table in (getattr(self, attr) for attr in self.adapter_layer_names + self.other_param_names):
+                if adapter_name in table:
+                    del table[adapter_name]
         self.add_lora(r, lora_alpha, use_rslora=setting("use_rslora", False), adapter=adapter_name,
                       init=setting("init_lora_weights", True), dropout=setting("lora_dropout", 0.0))
         self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
@@ -159,10 +166,13 @@ class KTExpertsLinear(KTExperts, LoraLayer):
     def delete_adapter(self, adapter_name: str) -> None:
         # A merged adapter's update is in the weights: taken back out before its LoRA goes (PEFT's own layers leave
         # it merged, and its name in merged_adapters broke every later unmerge here).
+        self._unmerge_adapter(adapter_name)
+        super().delete_adapter(adapter_name)
+
+    def _unmerge_adapter(self, adapter_name: str) -> None:
         if adapter_name in self.merged_adapters:
             self.merge_lora(adapter_name, sign=-1.0)
             self.merged_adapters.remove(adapter_name)
-        super().delete_adapter(adapter_name)
 
     def _move_adapter_to_device_of_base_layer(self, adapter_name, device=None) -> None:
         # PEFT's (run after a low_cpu_mem_usage load) casts the adapter to the dtype of the base layer's weight, BF16

@@ -49,6 +49,8 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     (model_dir / "consolidated.00.pth").write_bytes(b"other weights")  # left out: they would be unmerged
     (model_dir / "original").mkdir()
+    # Not read (the single file is, as transformers reads it), so not written: it had been copied, naming no shard.
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     assert run(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
@@ -58,7 +60,8 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
     assert changed == set(updates_of(peft_model))
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(
-        p.name for p in model_dir.iterdir() if p.name not in ("consolidated.00.pth", "original"))
+        p.name for p in model_dir.iterdir()
+        if p.name not in ("consolidated.00.pth", "original", "model.safetensors.index.json"))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])

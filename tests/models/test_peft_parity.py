@@ -284,6 +284,18 @@ def test_peft_features_the_experts_cannot_serve_are_named():
         kt.eval()(ids, adapter_names=["x", "y"])
 
 
+def test_peft_replaces_an_adapter_of_the_same_name_on_every_layer():
+    # PEFT's add_adapter with a name the model holds overwrites it layer by layer; the experts' refusal (add_lora's,
+    # for direct callers) had come after the attention's LoRA was replaced, and PEFT then dropped the config.
+    kt = get_peft_model(kt_model(), LoraConfig(**LORA))
+    experts = next(m for m in kt.modules() if isinstance(m, KTExpertsLinear))
+    old = experts.lora_B["default"]["down"]
+    kt.add_adapter("default", LoraConfig(**LORA))
+    assert list(kt.peft_config) == ["default"] and experts.lora_B["default"]["down"] is not old
+    with pytest.raises(ValueError, match="already hold a LoRA adapter 'default'"):
+        experts.add_lora(4, 8.0)
+
+
 def test_oft_on_the_experts_is_refused_with_the_fix():
     # LLaMA-Factory's lora_target: all selects the experts for OFT too: PEFT's refusal had been a traceback.
     from peft import OFTConfig
