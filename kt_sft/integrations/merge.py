@@ -165,9 +165,10 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
                   report: MergeReport) -> dict[str, torch.Tensor]:
     """The stored tensors (weight_keys of its format, stored_format's) of `weight` with its LoRA update merged."""
     keys = weight_keys(fmt, weight)
-    _, stored = read_weight(ckpt, keys[0])  # float32 values where quantized (the loader's checks included)
-    w = stored.to(torch.float32)
     scales = ckpt.get(keys[1]) if fmt in ("int4", "fp8") else None
+    # Float32 values where quantized (the loader's checks included), decoded with the scales read here once.
+    _, stored = read_weight(ckpt, keys[0], read=lambda key: scales if key in keys[1:2] else ckpt.get(key))
+    w = stored.to(torch.float32)
     b, a, scaling = update
     if (b.shape[0], a.shape[1]) != tuple(w.shape):
         raise ValueError(f"the adapter's LoRA on {weight.removesuffix('.weight')} makes a {b.shape[0]}x{a.shape[1]} "
