@@ -42,6 +42,11 @@ from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # A LoRA matrix on a plain module, as PEFT saves it: `base_model.model.<module path>.lora_A.weight`.
 _PLAIN_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+# A whole base weight that PEFT saves beside the LoRA (save_embedding_layers: an embedding layer targeted, at
+# `<module>.base_layer.weight`, or one resized in training, at `<module>.weight`); loading the adapter puts it in
+# place of the model's.
+_BASE_COPY_KEY = re.compile(r"^base_model\.model\.(?P<module>(?:(?!lora_|modules_to_save).)+?)(?:\.base_layer)?"
+                            r"\.weight$")
 
 
 @dataclass
@@ -85,10 +90,12 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
-def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path) -> dict[str, tuple]:
+def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path,
+                    ckpt: Checkpoint) -> dict[str, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
     kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts, and the
-    model, as given in model_dir, against the architecture the adapter was trained on)."""
+    model, as given in model_dir, against the architecture the adapter was trained on). Whole base weights the
+    adapter carries must be the checkpoint's (check_base_copy)."""
     config = adapter_config(adapter_dir)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
         raise ValueError(f"{adapter_dir} is a {'DoRA' if config.get('use_dora') else config.get('peft_type')} adapter; "
@@ -117,10 +124,10 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     weight = prefix + arch.expert_key(int(stacked["layer"]), e, PROJECTIONS.index(stacked["proj"]))
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
-                module = plain["module"]
-                for old, new in arch.key_renames:  # module path -> checkpoint key
-                    module = module.replace(new, old)
-                pairs.setdefault(prefix + module + ".weight", {})[plain["ab"]] = f.get_tensor(key)
+                pairs.setdefault(prefix + checkpoint_key(arch, plain["module"]), {})[plain["ab"]] = f.get_tensor(key)
+            elif _BASE_COPY_KEY.match(key):
+                check_base_copy(ckpt, prefix + checkpoint_key(arch, _BASE_COPY_KEY.match(key)["module"]),
+                                f.get_tensor(key), key)
             else:
                 raise ValueError(f"the adapter holds {key}, {_not_a_pair(key)}; kt-sft merge merges the LoRA pairs of "
                                  "linear layers only: serve this adapter unmerged.")
@@ -138,6 +145,28 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                              "config does not belong to these weights.")
         updates[weight] = (ab["B"], ab["A"], scaling)
     return updates
+
+
+def checkpoint_key(arch, module: str) -> str:
+    """The checkpoint key of a module path's weight (the module tree's names back to the checkpoint's)."""
+    for old, new in arch.key_renames:
+        module = module.replace(new, old)
+    return module + ".weight"
+
+
+def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str) -> None:
+    """A base weight the adapter carries must be the checkpoint's as the trained model held it (rounded to the
+    copy's dtype): merged into the published weight, a changed one would be lost."""
+    if weight not in ckpt.shard_of and weight_keys("int4", weight)[0] not in ckpt.shard_of:
+        raise ValueError(f"the adapter holds {key}, a whole weight for {weight}, which the checkpoint {ckpt.dir} does "
+                         "not have; merge it into the model it was trained on.")
+    stored = read_weight(ckpt, weight if weight in ckpt.shard_of else weight_keys("int4", weight)[0])[1]
+    if tuple(stored.shape) != tuple(copy.shape) or not torch.equal(stored.to(copy.dtype), copy):
+        what = (f"resized from {list(stored.shape)} to {list(copy.shape)} (a vocabulary resized in training)"
+                if tuple(stored.shape) != tuple(copy.shape) else "with values other than the checkpoint's")
+        raise ValueError(f"the adapter holds its own {weight} {what}, which kt-sft merge cannot put in the published "
+                         "checkpoint; serve the adapter unmerged, or merge with llamafactory-cli export on BF16 "
+                         "experts.")
 
 
 def _not_a_pair(key: str) -> str:
@@ -220,8 +249,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     require_new_dir(out_dir, "the merged model")
     if out_dir == resolved(source):
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
-    updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir))
     ckpt = Checkpoint(source)
+    updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir), ckpt)
     shards = shard_contents(ckpt)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}
     # Stored key -> the merged weight it belongs to.

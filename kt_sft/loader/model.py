@@ -94,7 +94,10 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
     top_k = getattr(config, "num_experts_per_tok", None)
-    for name, layer, module in experts_modules(skeleton, arch):
+    experts = experts_modules(skeleton, arch)
+    if not experts:
+        raise arch.no_experts_error(skeleton)
+    for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
         if isinstance(top_k, int) and not 1 <= top_k <= E:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "

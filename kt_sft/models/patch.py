@@ -99,8 +99,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
         setattr(model.get_submodule(parent_name), child, experts)
         replaced.append(experts)
     if not replaced:
-        raise ValueError(f"no {' / '.join(arch.experts_classes)} module found in this {config.model_type} model; "
-                         "its transformers version may name the experts class differently.")
+        raise arch.no_experts_error(model)
     overlap_with_the_engine(model, arch)
     accept_per_expert_weights(model, arch)
     WarnMissedExpertTargets(model, replaced)

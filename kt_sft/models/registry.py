@@ -32,6 +32,16 @@ class MoEArchitecture:
         name = type(module).__name__
         return name in self.experts_classes or name in STAND_IN_EXPERTS
 
+    def no_experts_error(self, model) -> ValueError:
+        """Why a model of this architecture holds none of its experts modules: its config makes every layer dense
+        (qwen*_moe's mlp_only_layers, deepseek's first_k_dense_replace, ...), or its transformers version names
+        the experts class differently."""
+        if not any(type(m).__name__.endswith(("Experts", "NaiveMoe")) for m in model.modules()):
+            return ValueError(f"this {self.model_type} config makes every layer a dense MLP (no routed experts), so "
+                              "nothing would run on the CPU engine; train it with stock transformers instead.")
+        return ValueError(f"no {' / '.join(self.experts_classes)} module found in this {self.model_type} model; its "
+                          "transformers version may name the experts class differently.")
+
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
         return self.checkpoint_experts.format(layer=layer, expert=expert, proj=self.checkpoint_projections[proj])
 

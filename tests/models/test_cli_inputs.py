@@ -12,7 +12,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import main, run
+from kt_sft.models import use_cpu_experts
 from test_export_adapter import trained_adapter
+from tiny_models import CONFIGS
 
 
 @pytest.fixture
@@ -255,12 +257,21 @@ def edited_model(model_dir, tmp_path, **changes):
     ({"hidden_size": "64"}, [], r"config.json is not a valid qwen3_moe configuration \(.*hidden_size"),
     ({"vocab_size": -1}, [], r"config.json describes no buildable qwen3_moe model \(.*negative dimension"),
     ({"num_attention_heads": 0}, [], r"config.json describes no buildable qwen3_moe model \(.*by zero"),
-], ids=["kernels", "top_k", "fewer_experts", "string_size", "negative_vocab", "no_heads"])
+    # Had been prepared, and loaded with nothing on the CPU engine.
+    ({"mlp_only_layers": list(range(8))}, [], r"makes every layer a dense MLP \(no routed experts\)"),
+], ids=["kernels", "top_k", "fewer_experts", "string_size", "negative_vocab", "no_heads", "all_dense"])
 def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, changes, extra, message):
     model_dir, _ = adapter
     with pytest.raises(ValueError, match=message):
         run(["prepare", str(edited_model(model_dir, tmp_path, **changes)), str(tmp_path / "out"), *extra])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_without_routed_experts_is_named_in_memory_too():
+    config = CONFIGS["qwen3_moe"]()
+    config.mlp_only_layers = list(range(config.num_hidden_layers))
+    with pytest.raises(ValueError, match="makes every layer a dense MLP"):  # had blamed the transformers version
+        use_cpu_experts(transformers.AutoModelForCausalLM.from_config(config))
 
 
 def test_prepare_refuses_a_model_without_a_tokenizer(adapter, tmp_path):

@@ -22,12 +22,12 @@ from tiny_models import save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
-def trained_adapter(model_type, tmp_path):
+def trained_adapter(model_type, tmp_path, targets=("experts", "o_proj")):
     """The tiny model saved as a checkpoint, and an adapter on its routed experts (random A and B) saved beside it."""
     model = tiny_model(model_type)
     save_checkpoint(model, tmp_path / "model")
     use_cpu_experts(model)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["experts", "o_proj"], init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
     peft_model = get_peft_model(model.requires_grad_(False), lora)
     peft_model.save_pretrained(tmp_path / "adapter")
     return peft_model, tmp_path / "model"

@@ -163,6 +163,28 @@ def test_composite_checkpoint_merges_its_text_model(published, tmp_path):  # noq
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "kimi_k25"
 
 
+def test_adapter_carrying_its_base_embedding_weights_merges(tmp_path):
+    # LoRA on lm_head: PEFT saves lm_head's whole base weight beside the pair (save_embedding_layers), which merge had
+    # refused as a trained module although it is the checkpoint's own; one that differs is named, nothing written.
+    peft_model, model_dir = trained_adapter("qwen3_moe", tmp_path, targets=("experts", "o_proj", "lm_head"))
+    adapter = tmp_path / "adapter"
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    assert "base_model.model.lm_head.base_layer.weight" in lora
+    assert run(["merge", str(model_dir), str(adapter), str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(merged(IDS).logits, peft_model(input_ids=IDS).logits) <= FP32_IO
+    head = lora["base_model.model.lm_head.base_layer.weight"]
+    embed = peft_model.get_input_embeddings().weight.detach()
+    for copies, what in (({"base_model.model.lm_head.base_layer.weight": head + 1}, "other than the checkpoint's"),
+                         ({"base_model.model.model.embed_tokens.weight": torch.cat([embed, embed[:2]])},
+                          r"resized from \[\d+, \d+\] to")):
+        save_file({**lora, **copies}, str(adapter / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=what):
+            merge_adapter(model_dir, adapter, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_merge_names_what_it_cannot_do(tmp_path):
     _, model_dir = trained_adapter("qwen3_moe", tmp_path)
     adapter = tmp_path / "adapter"
