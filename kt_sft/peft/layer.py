@@ -17,7 +17,8 @@ module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the
 PEFT merges module by module (merge_adapter, merge_and_unload), so a refusal raised by the experts themselves
 would come after the modules before them had merged (and, in merge_and_unload, been unloaded): LoraModel's
 merge_adapter and merge_and_unload (its _unload_and_optionally_merge) refuse merging into FP8/INT4 experts first.
-OFTModel refuses the experts as targets in one sentence (PEFT's own refusal is a traceback).
+PEFT's other tuners (OFT, LoHa, IA3, VeRA, ...) refuse the experts as targets in one sentence (PEFT's own refusal
+is a traceback).
 
 The class name contains "Linear" because LLaMA-Factory's `lora_target: all` selects modules by that.
 """
@@ -28,7 +29,7 @@ import inspect
 
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
-from peft.tuners.oft import OFTModel
+from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
@@ -77,6 +78,12 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         # PEFT reads a tuner layer's `weight` (its device, when it replaces the layer in unload); BaseTunerLayer's
         # looks it up on the base layer, which before the first adapter is this layer itself: endless recursion.
         return self.gate_up_proj
+
+    @property
+    def bias(self) -> None:
+        # The same recursion for `bias`, which PEFT probes on every LoRA layer under bias="lora_only" (experts
+        # without an adapter, e.g. left out by layers_to_transform, had raised RecursionError there).
+        return None
 
     def update_layer(self, adapter_name, r, lora_alpha, config=None, **kwargs):
         # peft 0.18 passes the settings as keywords; newer peft (checked: 0.21) passes the LoraConfig as `config`.
@@ -244,4 +251,8 @@ def _refusing_the_experts(create_and_replace, method: str):
     return checked
 
 
-OFTModel._create_and_replace = _refusing_the_experts(OFTModel._create_and_replace, "OFT")
+# Every tuner but LoRA (and X-LoRA, which holds LoRA adapters); each had refused the experts with a traceback, or
+# recursed.
+for _peft_type, _tuner in PEFT_TYPE_TO_TUNER_MAPPING.items():
+    if _tuner is not LoraModel and _peft_type.value != "XLORA" and "_create_and_replace" in vars(_tuner):
+        _tuner._create_and_replace = _refusing_the_experts(_tuner._create_and_replace, _peft_type.value)

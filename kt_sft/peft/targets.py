@@ -3,8 +3,9 @@
 transformers 5 holds a MoE layer's routed experts in one `experts` module (fused weights), so the target names of
 transformers-4-era recipes (gate_proj/up_proj/down_proj, Mixtral's w1/w2/w3) match no module there: PEFT puts
 LoRA on the attention (and any dense or shared-expert MLPs) and trains the routed experts' on nothing, without a
-word. At the first training forward of the experts, a model whose PEFT config names those projections but whose
-experts hold no LoRA gets one warning saying to target `experts`.
+word; an adapter saved with those names (`kt-sft export`'s per-expert layout, a transformers-4-era adapter) loads
+likewise, its expert LoRA dropped. At the first forward of the experts under PEFT (or the first training forward),
+a model whose PEFT config names those projections but whose experts hold no LoRA gets one warning saying so.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _named_targets(config) -> set:
 
 
 class WarnMissedExpertTargets:
-    """Forward pre-hooks on a model's experts modules, removed at the first training forward."""
+    """Forward pre-hooks on a model's experts modules, removed at the first forward that can tell: one under a PEFT
+    config, or a training one (a plain model's inference forward before PEFT wraps it cannot)."""
 
     def __init__(self, model, experts):
         self.model = weakref.ref(model)
@@ -30,15 +32,16 @@ class WarnMissedExpertTargets:
 
     @torch.compiler.disable  # removes hooks: under torch.compile(fullgraph=True) that was an unclear error
     def __call__(self, module, args):
-        if not (module.training and torch.is_grad_enabled()):
+        configs = getattr(self.model(), "peft_config", None) or {}
+        if not configs and not (module.training and torch.is_grad_enabled()):
             return
         for h in self.handles:
             h.remove()
-        model = self.model()
-        configs = getattr(model, "peft_config", None) or {}
         named = set().union(*(_named_targets(c) for c in configs.values())) if configs else set()
         if named & PER_EXPERT_NAMES and "experts" not in named and not module.lora_A:
             warnings.warn(f"kt_sft: the LoRA targets {sorted(named & PER_EXPERT_NAMES)} name per-expert projections, "
                           "which transformers 5 fuses into one `experts` module per layer: the routed experts get no "
-                          "LoRA and stay frozen. Add `experts` to lora_target (LLaMA-Factory) or target_modules "
-                          "(PEFT) to train them.", RuntimeWarning, stacklevel=2)
+                          "LoRA (in training they stay frozen; an adapter saved per expert, such as `kt-sft export`'s "
+                          "output, loads without its expert LoRA). Add `experts` to lora_target (LLaMA-Factory) or "
+                          "target_modules (PEFT) to train them, and serve the stacked adapter that training saved.",
+                          RuntimeWarning, stacklevel=2)

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
@@ -85,6 +85,21 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
                 want = d(torch.nn.functional.silu(g(x)) * u(x))
                 got = experts(x, torch.full((5, 1), e), torch.ones(5, 1))
             assert rel_l2(got, want) <= FP32_IO, (layer, e)
+
+
+def test_the_per_expert_adapter_loaded_into_a_kt_sft_model_is_warned_about(tmp_path, recwarn):
+    # kt_sft's experts take the stacked adapter: the per-expert one attaches attention LoRA only, and its inference
+    # had given logits ~100% off the trained adapter's without a word (the warning came at training forwards only).
+    _, model_dir = trained_adapter("qwen3_moe", tmp_path)
+    assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
+    model = tiny_model("qwen3_moe")
+    use_cpu_experts(model)
+    loaded = PeftModel.from_pretrained(model, tmp_path / "out").eval()
+    with torch.no_grad():
+        for _ in range(2):
+            loaded(input_ids=torch.arange(8)[None])
+    said = [w for w in recwarn if "name per-expert projections" in str(w.message)]
+    assert len(said) == 1 and "loads without its expert LoRA" in str(said[0].message)
 
 
 def test_a_regular_expression_target_becomes_the_list_of_what_the_adapter_holds(tmp_path):

@@ -2,6 +2,7 @@
 model whose experts carry the same LoRA in plain PyTorch (kt_sft.ops.reference.ReferenceExperts)."""
 import copy
 
+import peft
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
@@ -296,12 +297,25 @@ def test_peft_replaces_an_adapter_of_the_same_name_on_every_layer():
         experts.add_lora(4, 8.0)
 
 
-def test_oft_on_the_experts_is_refused_with_the_fix():
-    # LLaMA-Factory's lora_target: all selects the experts for OFT too: PEFT's refusal had been a traceback.
-    from peft import OFTConfig
-    with pytest.raises(ValueError, match="OFT cannot adapt the routed experts .* q_proj,k_proj,v_proj,o_proj"):
-        get_peft_model(kt_model(), OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj", "experts"]))
-    get_peft_model(kt_model(), OFTConfig(r=4, oft_block_size=0, target_modules=["q_proj"]))
+@pytest.mark.parametrize("method, config", [
+    ("OFT", lambda targets: peft.OFTConfig(r=4, oft_block_size=0, target_modules=targets)),
+    ("LOHA", lambda targets: peft.LoHaConfig(r=4, target_modules=targets)),
+    ("IA3", lambda targets: peft.IA3Config(target_modules=targets, feedforward_modules=[])),
+    ("ADALORA", lambda targets: peft.AdaLoraConfig(target_modules=targets, total_step=10)),
+    ("VERA", lambda targets: peft.VeraConfig(r=4, target_modules=targets)),
+])
+def test_other_tuners_on_the_experts_are_refused_with_the_fix(method, config):
+    # LLaMA-Factory's lora_target: all selects the experts for OFT too: PEFT's refusal had been a traceback (VeRA's
+    # a RecursionError).
+    with pytest.raises(ValueError, match=f"{method} cannot adapt the routed experts .* q_proj,k_proj,v_proj,o_proj"):
+        get_peft_model(kt_model(), config(["q_proj", "experts"]))
+    get_peft_model(kt_model(), config(["q_proj"]))
+
+
+def test_experts_without_an_adapter_answer_bias_as_none():
+    # PEFT probes `bias` on every LoRA layer under bias="lora_only": experts left out of the adapter had recursed.
+    kt = get_peft_model(kt_model(), LoraConfig(**{**LORA, "layers_to_transform": [0], "bias": "lora_only"}))
+    assert [m.bias for m in kt.modules() if isinstance(m, KTExpertsLinear)] == [None, None]
 
 
 class LigerExperts(torch.nn.Module):
