@@ -129,7 +129,9 @@ def require_one_process() -> None:
     """Refuses a distributed launch before any expert is read: kt_sft keeps the routed experts once, in this
     process's CPU RAM, next to one GPU. torchrun / accelerate (and LLaMA-Factory, which starts one process per
     visible GPU) would load them in every process, and DistributedDataParallel takes no module with CPU
-    parameters; DeepSpeed ZeRO-3 partitions parameters, which the CPU engine reads in place."""
+    parameters. DeepSpeed, at any ZeRO stage, manages parameters in buffers of its own (ZeRO-3 partitions them,
+    ZeRO-1/2 point them into flat buffers that its optimizer updates), which the CPU engine, reading the experts
+    in place, would not follow."""
     try:
         world = int(os.environ.get("WORLD_SIZE") or 1)
     except ValueError:
@@ -141,11 +143,13 @@ def require_one_process() -> None:
                          "process and one GPU (the routed experts live once in its CPU RAM); run a single process, "
                          "e.g. CUDA_VISIBLE_DEVICES=0 llamafactory-cli train <yaml> (LLaMA-Factory starts one "
                          "process per visible GPU).")
-    from transformers.integrations import is_deepspeed_zero3_enabled
-    if is_deepspeed_zero3_enabled():
-        raise ValueError("DeepSpeed ZeRO-3 partitions every parameter, but kt_sft's CPU engine reads the routed "
-                         "experts in place; remove the deepspeed setting (the experts' weights and optimizer state "
-                         "already live in CPU RAM).")
+    from transformers.integrations.deepspeed import deepspeed_config
+    config = deepspeed_config()  # set by TrainingArguments(deepspeed=...), which LLaMA-Factory builds before the model
+    if config is not None:
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        raise ValueError(f"DeepSpeed (ZeRO stage {stage}) manages the parameters in buffers of its own, which "
+                         "kt_sft's CPU engine, reading the routed experts in place, would not follow; remove the "
+                         "deepspeed setting (the experts' weights and optimizer state already live in CPU RAM).")
 
 
 def _switch(name: str, default: bool = False) -> bool:

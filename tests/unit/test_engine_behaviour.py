@@ -738,6 +738,19 @@ def test_load_state_dict_copies_into_the_weights_the_engine_reads(peft, master, 
     assert m.load_state_dict(state, strict=False).missing_keys == [prefix + "gate_up_proj", prefix + "down_proj"]
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_is_refused_at_every_stage(monkeypatch, stage):
+    # Only ZeRO-3 had been refused; ZeRO-1/2 point parameters into flat buffers that the engine's experts, read in
+    # place, would not follow. What TrainingArguments(deepspeed=...) registers, without deepspeed installed.
+    from transformers.integrations import deepspeed
+
+    from kt_sft._ext import require_one_process
+    registered = type("Config", (), {"config": {"zero_optimization": {"stage": stage}}})()
+    monkeypatch.setattr(deepspeed, "_hf_deepspeed_config_weak_ref", lambda: registered)
+    with pytest.raises(ValueError, match=f"DeepSpeed \\(ZeRO stage {stage}\\) .* remove the deepspeed setting"):
+        require_one_process()
+
+
 @pytest.mark.parametrize("world, refused", [("2", True), (" 2", True), ("1", False), ("", False), ("abc", False),
                                             ("\u00b2", False)])
 def test_a_distributed_launch_is_refused(monkeypatch, world, refused):
