@@ -199,7 +199,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.lora_alpha: dict[str, float] = {}
         self.scaling: dict[str, float] = {}
         self.use_rslora: dict[str, bool] = {}
-        self.lora_dropout_p: dict[str, float] = {}
+        # Per adapter an nn.Dropout whose `p` the forward reads: what sets dropout modules' p (TRL's
+        # disable_dropout_in_model, in LLaMA-Factory's DPO/KTO trainers) reaches the experts' LoRA too.
+        self.lora_dropout = nn.ModuleDict()
         self._active_adapter = "default"
         self._model_device = torch.device("cpu")  # where the module's caller computes (_apply's last move)
         self._gpu_lora = GpuLora()
@@ -403,7 +405,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             self._active_adapter = adapter
         self.lora_A[adapter], self.lora_B[adapter] = A, B
         self.r[adapter], self.lora_alpha[adapter], self.use_rslora[adapter] = r, alpha, use_rslora
-        self.lora_dropout_p[adapter] = float(dropout)
+        self.lora_dropout[adapter] = nn.Dropout(float(dropout))
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
         self._place_lora()  # drawn on the CPU above (the same values wherever it lives), then moved home
 
@@ -675,7 +677,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
         # LoRA dropout in training mode, with a seed drawn from torch's RNG: gradient checkpointing restores the
         # RNG state for its recompute, so the recomputed forward drops the same entries as the first.
-        p = self.lora_dropout_p.get(adapter, 0.0) if adapter and self.training else 0.0
+        p = self.lora_dropout[adapter].p if adapter and self.training else 0.0
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), but adapter {adapter!r}'s is {p!r}.")
         dropout = (p, int(torch.randint(0, 2**31, ()).item())) if p > 0 else (0.0, 0)
         trains = torch.is_grad_enabled() and (
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad

@@ -50,14 +50,13 @@ class ExpertWeights(LoadsInPlace, nn.Module):
 
 class KTExpertsLinear(KTExperts, LoraLayer):
     adapter_layer_names = ("lora_A", "lora_B")
-    other_param_names = ("r", "lora_alpha", "scaling", "use_rslora", "lora_dropout_p")
+    other_param_names = ("r", "lora_alpha", "scaling", "use_rslora", "lora_dropout")
 
     def __init__(self, gate_up_proj, down_proj=None, **kwargs):
         KTExperts.__init__(self, gate_up_proj, down_proj, **kwargs)
         # The BaseTunerLayer state PEFT reads; LoraLayer.__init__ is skipped because there is no base layer.
         self._disable_adapters = False
         self.merged_adapters = []
-        self.lora_dropout = nn.ModuleDict()
         self.lora_embedding_A = nn.ParameterDict()
         self.lora_embedding_B = nn.ParameterDict()
         self.lora_magnitude_vector = nn.ModuleDict()

@@ -373,12 +373,19 @@ def test_lora_dropout_reaches_the_experts():
     use_cpu_experts(kt)
     kt = get_peft_model(kt.requires_grad_(False), LoraConfig(**{**LORA, "lora_dropout": 0.1}))
     experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
-    assert experts and all(m.lora_dropout_p["default"] == 0.1 for m in experts)
+    assert experts and all(m.lora_dropout["default"].p == 0.1 for m in experts)
     ids = batch(0)["input_ids"]
     with torch.no_grad():
         kt.train()
         assert not torch.equal(kt(ids).logits, kt(ids).logits)  # fresh masks each step
         kt.eval()
+        assert torch.equal(kt(ids).logits, kt(ids).logits)
+        # What TRL's disable_dropout_in_model (LLaMA-Factory's DPO and KTO trainers) does: it had left the experts'
+        # LoRA dropout on, their rate kept apart from any nn.Dropout.
+        for m in kt.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        kt.train()
         assert torch.equal(kt(ids).logits, kt(ids).logits)
 
 

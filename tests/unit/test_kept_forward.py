@@ -27,7 +27,7 @@ def first_pass(m, x, idx, w):
 
 def fresh(shape=SHAPE, dropout=0.0):
     m = make_module(shape, lora=True)
-    m.lora_dropout_p["default"] = dropout
+    m.lora_dropout["default"].p = dropout
     m.train()
     return m
 
@@ -69,7 +69,7 @@ def changed_weights(m, x, idx, w):
 
 
 def changed_seed(m, x, idx, w):
-    m.lora_dropout_p["default"] = 0.3
+    m.lora_dropout["default"].p = 0.3
     torch.manual_seed(11)
     return x, idx, w
 
@@ -85,7 +85,7 @@ def test_a_changed_forward_runs_the_engine(change):
     got = run_engine(m, x2, idx2, w2, g)
     twin = fresh()
     twin.load_state_dict(m.state_dict())
-    twin.lora_dropout_p["default"] = m.lora_dropout_p["default"]
+    twin.lora_dropout["default"].p = m.lora_dropout["default"].p
     torch.set_rng_state(state)
     expected = run_engine(twin, x2, idx2, w2, g)
     for k, v in expected.items():

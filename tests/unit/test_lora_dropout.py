@@ -44,7 +44,7 @@ def seeded_run(m, x, idx, w, g, seed_state=7):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_dropout_parity(kernels, shape, fmt):
     m = make_module(shape, lora=True, expert_format=fmt)
-    m.lora_dropout_p["default"] = 0.25
+    m.lora_dropout["default"].p = 0.25
     m.train()
     x, idx, w, g = inputs(shape)
     got, seed = seeded_run(m, x, idx, w, g)
@@ -56,7 +56,7 @@ def test_dropout_parity_on_tiles(tiles, shape):
     """BF16 activations on the tile unit: the masked LoRA operands are built in float32, then rounded for the
     tile products (in chunks of rows beyond the dropout buffers' size)."""
     m = make_module(shape, lora=True)
-    m.lora_dropout_p["default"] = 0.25
+    m.lora_dropout["default"].p = 0.25
     m.train()
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got, seed = seeded_run(m, x, idx, w, g)
@@ -68,7 +68,7 @@ def test_dropout_lora_grads_add_up_over_micro_batches(kernels, shape):
     """The engine adds the second micro-batch's LoRA grads into param.grad: with LoRA dropout (its chunked
     path) and with experts that get no token (nothing added for them)."""
     m = make_module(shape, lora=True)
-    m.lora_dropout_p["default"] = 0.25
+    m.lora_dropout["default"].p = 0.25
     m.train()
     x, idx, w, g = inputs(shape)
     refs = []
@@ -99,7 +99,7 @@ def test_dropout_only_in_training_mode():
     with torch.no_grad():
         m.eval()
         base = m(x, idx, w)
-        m.lora_dropout_p["default"] = 0.5
+        m.lora_dropout["default"].p = 0.5
         assert torch.equal(m(x, idx, w), base)
         m.train()
         assert not torch.equal(m(x, idx, w), base)
