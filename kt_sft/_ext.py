@@ -19,6 +19,7 @@ Environment variables (the only ones kt_sft reads, all here):
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import threading
@@ -214,6 +215,29 @@ except (ValueError, RuntimeError) as e:
     settings_error = e
 
 
+_log = logging.getLogger("kt_sft")
+
+
+def _ignored(message: str, category: type[Warning]) -> bool:
+    """Whether the warnings filters drop this message wherever it is raised: the first filter not scoped to a module
+    or line that matches it says "ignore" (LLaMA-Factory's DPO and KTO trainers set simplefilter("ignore") for the
+    whole process)."""
+    for action, text, kind, module, line in warnings.filters:
+        if module is None and line == 0 and issubclass(category, kind) and (text is None or text.match(message)):
+            return action == "ignore"
+    return False
+
+
+def warn(message: str, stacklevel: int = 1) -> None:
+    """kt_sft's warnings (a slower path taken, a setting without effect, LoRA targets that miss the experts) as
+    RuntimeWarnings, or, where the filters would drop every warning, on the kt_sft logger, which they do not
+    silence."""
+    if _ignored(message, RuntimeWarning):
+        _log.warning(message)
+    else:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def require_settings() -> None:
     """Raises the environment's bad engine setting, if there is one (the engine keeps its defaults meanwhile)."""
     if settings_error is not None:
@@ -223,7 +247,7 @@ def require_settings() -> None:
 def _warn_if_tiles_refused() -> None:
     caps = _C.capabilities()
     if caps["cpu"]["amx_bf16"] and "amx" not in caps["runnable_kernels"]:
-        warnings.warn(f"kt_sft: {caps['tiles']}.", RuntimeWarning)
+        warn(f"kt_sft: {caps['tiles']}.")
 
 
 _warn_if_tiles_refused()

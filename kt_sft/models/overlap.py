@@ -18,10 +18,11 @@ other's shared experts' result, computed under the other's grad mode.
 from __future__ import annotations
 
 import threading
-import warnings
 
 import torch
 from torch import nn
+
+from .._ext import warn
 
 
 class SharedExpertsOverlap:
@@ -64,8 +65,8 @@ class SharedExpertsOverlap:
         x0, out = pending
         if x is not x0 or args or kwargs:
             self.remove()
-            warnings.warn("kt_sft: this model's MoE block calls its shared experts on something other than the "
-                          "block's input; their overlap with the CPU experts is turned off.", RuntimeWarning)
+            warn("kt_sft: this model's MoE block calls its shared experts on something other than the "
+                          "block's input; their overlap with the CPU experts is turned off.")
             return self.run(x, *args, **kwargs)
         return out
 

@@ -34,14 +34,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .._ext import recompute_ahead
+from .._ext import recompute_ahead, warn
 from ..ops import experts_function
 from ..ops.kept_forward import begin_model_forward, end_model_forward, recomputing
 
@@ -143,9 +142,9 @@ class Pass:
                     outputs = self.func(*inputs, **kwargs)
         except torch.cuda.OutOfMemoryError:
             _out_of_memory = True
-            warnings.warn("kt_sft: the GPU ran out of memory recomputing a checkpointed layer ahead of the CPU "
+            warn("kt_sft: the GPU ran out of memory recomputing a checkpointed layer ahead of the CPU "
                           "engine's backward; each layer's recompute runs after it from now on (slower; "
-                          "KT_SFT_RECOMPUTE_AHEAD=0 skips the attempt).", RuntimeWarning)
+                          "KT_SFT_RECOMPUTE_AHEAD=0 skips the attempt).")
             return
         self.ahead = outputs, inputs
 

@@ -30,12 +30,11 @@ transfers: in bench_model at 16 layers the rest of the step grew by about what t
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._ext import lock_renewed_in_forked_children
+from .._ext import lock_renewed_in_forked_children, warn
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 # Two threads' first uses would each make one, their copies then unordered.
@@ -67,8 +66,8 @@ def check_room(device: torch.device, moving: int, placed: int) -> None:
             f"AdamW's state: 16 bytes per value), but {free / 2**30:.3g} GiB are free there")
     if now > free:
         raise ValueError(f"{what}; unset KT_SFT_LORA_ON_GPU to keep it in host RAM, or lower the LoRA rank.")
-    warnings.warn(f"kt_sft: {what}: training would run out of GPU memory at its first optimizer step; unset "
-                  "KT_SFT_LORA_ON_GPU to keep the expert LoRA in host RAM, or lower the LoRA rank.", RuntimeWarning)
+    warn(f"kt_sft: {what}: training would run out of GPU memory at its first optimizer step; unset "
+                  "KT_SFT_LORA_ON_GPU to keep the expert LoRA in host RAM, or lower the LoRA rank.")
 
 
 class GpuLora:

@@ -24,12 +24,11 @@ of all layers pile up until backward, and running out of RAM gets the process ki
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 
-from .._ext import _C, recompute_experts
+from .._ext import _C, recompute_experts, warn
 from .host_memory import host_headroom
 
 MISSES_BEFORE_OFF = 3
@@ -110,11 +109,11 @@ def room_to_keep(nbytes: int) -> bool:
         return True
     if not _warned_short:
         _warned_short = True
-        warnings.warn(f"kt_sft: {available / _GIB:.1f} GiB of host RAM available; keeping the CPU experts' first pass "
+        warn(f"kt_sft: {available / _GIB:.1f} GiB of host RAM available; keeping the CPU experts' first pass "
                       f"for gradient checkpointing's recompute ({nbytes / _GIB:.2f} GiB per layer) would leave less "
                       f"than {reserve_bytes(total) / _GIB:.1f} GiB, so layers past this point run the engine again "
                       "in the recompute (slower, same gradients). Free host RAM or shorten cutoff_len to get the "
-                      "time back; KT_SFT_RECOMPUTE_EXPERTS=1 stops keeping passes altogether.", RuntimeWarning)
+                      "time back; KT_SFT_RECOMPUTE_EXPERTS=1 stops keeping passes altogether.")
     return False
 
 

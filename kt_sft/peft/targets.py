@@ -9,10 +9,11 @@ a model whose PEFT config names those projections but whose experts hold no LoRA
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
+
+from .._ext import warn
 
 PER_EXPERT_NAMES = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"}
 
@@ -39,9 +40,8 @@ class WarnMissedExpertTargets:
             h.remove()
         named = set().union(*(_named_targets(c) for c in configs.values())) if configs else set()
         if named & PER_EXPERT_NAMES and "experts" not in named and not module.lora_A:
-            warnings.warn(f"kt_sft: the LoRA targets {sorted(named & PER_EXPERT_NAMES)} name per-expert projections, "
+            warn(f"kt_sft: the LoRA targets {sorted(named & PER_EXPERT_NAMES)} name per-expert projections, "
                           "which transformers 5 fuses into one `experts` module per layer: the routed experts get no "
                           "LoRA (in training they stay frozen; an adapter saved per expert, such as `kt-sft export`'s "
                           "output, loads without its expert LoRA). Add `experts` to lora_target (LLaMA-Factory) or "
-                          "target_modules (PEFT) to train them, and serve the stacked adapter that training saved.",
-                          RuntimeWarning, stacklevel=2)
+                          "target_modules (PEFT) to train them, and serve the stacked adapter that training saved.", stacklevel=2)

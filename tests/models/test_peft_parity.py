@@ -1,6 +1,7 @@
 """Model level: stock transformers + PEFT with the experts swapped for the CPU engine, against the stock
 model whose experts carry the same LoRA in plain PyTorch (kt_sft.ops.reference.ReferenceExperts)."""
 import copy
+import warnings
 
 import peft
 import pytest
@@ -359,6 +360,18 @@ def test_per_expert_target_names_that_reach_no_expert_are_warned_about(targets, 
         kt(input_ids=ids, labels=ids).loss.backward()
     said = [w for w in recwarn if "name per-expert projections" in str(w.message)]
     assert len(said) == (1 if warned else 0), [str(w.message) for w in recwarn]
+
+
+def test_warnings_reach_the_log_where_every_warning_is_ignored(caplog):
+    # LLaMA-Factory's DPO and KTO trainers call warnings.simplefilter("ignore") for the whole process, which had
+    # silenced kt_sft's warnings there (this one: experts left frozen).
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "w1"]))
+    ids = batch(3)["input_ids"]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("ignore")
+        kt(input_ids=ids, labels=ids).loss.backward()
+    assert not shown
+    assert [r.levelname for r in caplog.records if "name per-expert projections" in r.getMessage()] == ["WARNING"]
 
 
 def test_unsupported_model_type_is_a_clear_error():
