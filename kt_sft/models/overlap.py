@@ -11,7 +11,9 @@ the engine's two autograd nodes sit on either side of the shared experts' nodes 
 EngineCall), so the shared experts' backward is queued on the GPU while the engine computes its backward.
 Everything runs on the caller's stream and in the stock order (routed experts, then shared), so results, the
 RNG's use included, are the stock order's; a recomputed forward (gradient checkpointing) goes through the same
-hooks. On a CPU device the same steps run in turn (the engine first: nothing to overlap). What a block call hands
+hooks. Hooks on the shared experts module itself (or on every module) would run twice, once around the early
+computation and once around the block's own call: such a block keeps the stock order. On a CPU device the same
+steps run in turn (the engine first: nothing to overlap). What a block call hands
 over is its thread's: two threads through one block (an evaluation or generation beside training) had taken each
 other's shared experts' result, computed under the other's grad mode.
 """
@@ -46,7 +48,7 @@ class SharedExpertsOverlap:
             self.remove()  # replaced since (a wrapper): the stock order
             return
         x = args[0] if args else None
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor) and not _hooked(self.shared):
             self.experts.queue_beside(lambda: self.start(x))
 
     def start(self, x):
@@ -76,6 +78,14 @@ class SharedExpertsOverlap:
         self.shared.forward = self.run
         self.experts.queue_beside(None)
         self.local.pending = None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of module runs forward hooks or pre-hooks: its own, or ones registered for every module
+    (torch.nn.modules.module.register_module_forward_hook and its pre-hook twin)."""
+    every = torch.nn.modules.module
+    return bool(module._forward_hooks or module._forward_pre_hooks or every._global_forward_hooks
+                or every._global_forward_pre_hooks)
 
 
 def overlap_shared_experts(model: nn.Module, attribute: str | None) -> int:

@@ -135,15 +135,30 @@ def test_full_mode_runs_the_engine_first(monkeypatch):
     assert [now for kind, now in engine.now if kind == "backward"] == [True]
 
 
-def test_the_shared_experts_own_hooks_wrap_their_computation():
-    model = lora_model("deepseek_v3")
-    block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
-    inside, seen = [], []
-    block.shared_experts.register_forward_pre_hook(lambda *_: inside.append(1))
-    block.shared_experts.register_forward_hook(lambda *_: inside.clear())
-    block.shared_experts.down_proj.register_forward_hook(lambda *_: seen.append(bool(inside)))
-    loss_and_grads(model)
-    assert seen == [True]
+@pytest.mark.parametrize("where", ["module", "every_module"])
+def test_hooks_on_the_shared_experts_run_once_in_the_stock_order(where):
+    # Computed early through the module's call, and then called by the block, the shared experts had run their own
+    # hooks twice: an output hook (here, doubling) applied twice.
+    def twice(module, args, out):
+        if module is block.shared_experts:
+            calls.append(1)
+            return out * 2
+
+    results = []
+    for overlap in (True, False):
+        model, calls = lora_model("deepseek_v3", overlap=overlap), []
+        block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+        log = recorded(model).log
+        hook = (block.shared_experts.register_forward_hook(twice) if where == "module" else
+                torch.nn.modules.module.register_module_forward_hook(twice))
+        try:
+            results.append(loss_and_grads(model))
+        finally:
+            hook.remove()
+        assert calls == [1]
+        assert log[:3] == ["engine forward", "engine forward done", "shared"]
+    (loss, grads), (loss_ref, grads_ref) = results
+    assert loss == loss_ref and all(torch.equal(grads[n], g) for n, g in grads_ref.items())
 
 
 def test_the_stock_order_runs_the_shared_experts_after_the_engine():
