@@ -18,7 +18,9 @@ step's peak) and 8 of pinned host memory (the two buffers below) instead of 16 b
 - grad_buffer / hand_grad: per matrix a pinned float32 buffer that the engine writes the grad into; hand_grad
   copies it up without waiting (into param.grad, or added to the grad an earlier micro-batch left there) and
   records an event, which the buffer's next use waits for. A backward that raises after a layer's upload leaves
-  it unwaited: drop such grads with zero_grad() (set_to_none, the default) rather than zeroing them in place.
+  it unwaited by the compute stream until the next optimizer step or clipping (wait_for_grad_uploads): drop such
+  grads with zero_grad() (set_to_none, the default) rather than zeroing them in place, and read them in code of
+  your own only after one of those.
 
 Both kinds of copies run on a side stream: on the compute stream, 70 MB per Qwen3-30B-A3B layer each way would
 queue ~2 ms of PCIe time ahead of the next layer's attention, which the engine waits for. The side stream first
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._ext import lock_renewed_in_forked_children, warn
@@ -50,6 +53,24 @@ def _queue_on_side(device: torch.device) -> torch.cuda.Stream:
             stream = _side_streams[device] = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
+
+
+# Per device, the last grad upload that the end of its backward has not made the compute stream wait for yet: a
+# backward that raised runs no callbacks, and a caller that goes on (skipping a bad batch) must not step on grads
+# still being copied.
+_unwaited: dict[torch.device, torch.cuda.Event] = {}
+
+
+def wait_for_grad_uploads(*_) -> None:
+    """Makes each device's current stream wait for the grads' uploads left unwaited (every optimizer's step runs
+    this first, and so does clip_grad_norm_)."""
+    for device, event in list(_unwaited.items()):
+        torch.cuda.current_stream(device).wait_event(event)
+        if _unwaited.get(device) is event:
+            del _unwaited[device]
+
+
+register_optimizer_step_pre_hook(wait_for_grad_uploads)
 
 
 def check_room(device: torch.device, moving: int, placed: int) -> None:
@@ -168,10 +189,13 @@ class GpuLora:
             param.grad.record_stream(stream)
         event = stream.record_event()
         self._grads[param] = (grad, event)
+        _unwaited[device] = event
 
         def at_backward_end():
             # Both the stream the backward ran on and the one current where the callback runs (the caller's).
             compute.wait_event(event)
             torch.cuda.current_stream(device).wait_event(event)
+            if _unwaited.get(device) is event:
+                del _unwaited[device]
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)

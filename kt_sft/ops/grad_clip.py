@@ -22,6 +22,7 @@ import types
 import torch
 
 from .._ext import _C, view
+from .gpu_lora import wait_for_grad_uploads
 
 _torch_clip_grad_norm = torch.nn.utils.clip_grad_norm_
 
@@ -35,6 +36,7 @@ def _summed_here(g: torch.Tensor) -> bool:
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_, same arguments and result; see the module docstring."""
+    wait_for_grad_uploads()  # the expert LoRA's grads on the GPU (KT_SFT_LORA_ON_GPU=1) after a raising backward
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     generator = isinstance(parameters, types.GeneratorType)

@@ -197,6 +197,38 @@ def test_a_backward_that_raises_leaves_no_upload_behind(monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("reader", ["optimizer", "clipping"])
+def test_what_reads_grads_after_a_backward_that_raised_waits_for_their_uploads(monkeypatch, reader):
+    # A backward that raises runs no autograd callback, so the compute stream had not waited for the uploads it
+    # made; a caller that goes on (skipping the batch) stepped on grads still being copied.
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    gpu = lora_model(device=cuda).train()
+
+    def stop(grad):
+        raise RuntimeError("stopped on purpose")
+
+    o_proj = next(m for name, m in gpu.named_modules() if name.endswith("layers.0.self_attn.o_proj"))
+    hook = o_proj.register_forward_hook(lambda module, args, out: out.register_hook(stop) and None)
+    with pytest.raises(RuntimeError, match="stopped on purpose"):
+        gpu(input_ids=batch(1, cuda), labels=batch(1, cuda)).loss.backward()
+    hook.remove()
+    assert cuda in gpu_lora._unwaited
+    side = gpu_lora._queue_on_side(cuda)
+    with torch.cuda.stream(side):  # an upload held up on the side stream: the reader must wait for it
+        torch.cuda._sleep(2 * 10**9)
+        gpu_lora._unwaited[cuda] = side.record_event()
+    slow = gpu_lora._unwaited[cuda]
+    params = [p for p in gpu.parameters() if p.grad is not None]
+    if reader == "optimizer":
+        torch.optim.SGD(params, lr=0.0).step()
+    else:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+    torch.cuda.current_stream(cuda).record_event().synchronize()
+    assert slow.query() and cuda not in gpu_lora._unwaited
+
+
+@needs_cuda
 def test_lora_a_load_put_on_the_gpu_trains_with_a_fused_optimizer(monkeypatch):
     # PEFT's low_cpu_mem_usage load assigns the loaded tensors, GPU ones included, whatever the switch says; a fused
     # AdamW then updates them without bumping their version counters, which the engine's copies must still see.
