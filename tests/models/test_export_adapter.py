@@ -94,7 +94,11 @@ def test_the_per_expert_adapter_loaded_into_a_kt_sft_model_is_warned_about(tmp_p
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
     model = tiny_model("qwen3_moe")
     use_cpu_experts(model)
-    loaded = PeftModel.from_pretrained(model, tmp_path / "out").eval()
+    try:
+        loaded = PeftModel.from_pretrained(model, tmp_path / "out").eval()
+    except ValueError as e:  # newer peft (checked: 0.21) rewrites per-expert targets to the fused weights and fails
+        assert "mlp.experts" in str(e)
+        return
     with torch.no_grad():
         for _ in range(2):
             loaded(input_ids=torch.arange(8)[None])

@@ -201,7 +201,7 @@ def test_a_backward_that_raises_leaves_no_upload_behind(monkeypatch):
 def test_what_reads_grads_after_a_backward_that_raised_waits_for_their_uploads(monkeypatch, reader):
     # A backward that raises runs no autograd callback, so the compute stream had not waited for the uploads it
     # made; a caller that goes on (skipping the batch) stepped on grads still being copied.
-    cuda = torch.device("cuda")
+    cuda = torch.device("cuda", torch.cuda.current_device())  # as parameters name their device
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
     gpu = lora_model(device=cuda).train()
 

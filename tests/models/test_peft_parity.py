@@ -292,8 +292,12 @@ def test_peft_replaces_an_adapter_of_the_same_name_on_every_layer():
     kt = get_peft_model(kt_model(), LoraConfig(**LORA))
     experts = next(m for m in kt.modules() if isinstance(m, KTExpertsLinear))
     old = experts.lora_B["default"]["down"]
-    kt.add_adapter("default", LoraConfig(**LORA))
-    assert list(kt.peft_config) == ["default"] and experts.lora_B["default"]["down"] is not old
+    try:
+        kt.add_adapter("default", LoraConfig(**LORA))
+    except ValueError as e:  # newer peft (checked: 0.21) refuses the name itself, before any layer changes
+        assert "already exists" in str(e) and experts.lora_B["default"]["down"] is old
+    else:
+        assert list(kt.peft_config) == ["default"] and experts.lora_B["default"]["down"] is not old
     with pytest.raises(ValueError, match="already hold a LoRA adapter 'default'"):
         experts.add_lora(4, 8.0)
 
