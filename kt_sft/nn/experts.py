@@ -708,7 +708,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         # copy of the weights. TRL's create_reference_model and PEFT's modules_to_save deep-copy modules.
         raise TypeError("kt_sft's CPU experts cannot be deep-copied; for a reference model (DPO, KTO) use the model "
                         "with its adapter disabled (TRL's default when ref_model is None with a PEFT model), or load "
-                        "the model a second time, and keep `experts` out of modules_to_save.")
+                        "the model a second time, and keep `experts` out of modules_to_save (LLaMA-Factory's PPO, "
+                        "whose TRL 0.9 trainer deep-copies the data collator holding the model, is not supported).")
 
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) live in CPU RAM for good: device and dtype moves skip
