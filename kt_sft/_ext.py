@@ -228,12 +228,17 @@ def _ignored(message: str, category: type[Warning]) -> bool:
     return False
 
 
+_logged: set[str] = set()
+
+
 def warn(message: str, stacklevel: int = 1) -> None:
     """kt_sft's warnings (a slower path taken, a setting without effect, LoRA targets that miss the experts) as
     RuntimeWarnings, or, where the filters would drop every warning, on the kt_sft logger, which they do not
-    silence."""
+    silence (each message once, as the default filter shows a warning once per place)."""
     if _ignored(message, RuntimeWarning):
-        _log.warning(message)
+        if message not in _logged:
+            _logged.add(message)
+            _log.warning(message)
     else:
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 

@@ -125,7 +125,7 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
                 pairs.setdefault(prefix + checkpoint_key(arch, plain["module"]), {})[plain["ab"]] = f.get_tensor(key)
-            elif _BASE_COPY_KEY.match(key):
+            elif _BASE_COPY_KEY.match(key) and not _trained_whole(_BASE_COPY_KEY.match(key)["module"], config):
                 check_base_copy(ckpt, prefix + checkpoint_key(arch, _BASE_COPY_KEY.match(key)["module"]),
                                 f.get_tensor(key), key)
             else:
@@ -167,6 +167,13 @@ def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str)
         raise ValueError(f"the adapter holds its own {weight} {what}, which kt-sft merge cannot put in the published "
                          "checkpoint; serve the adapter unmerged, or merge with llamafactory-cli export on BF16 "
                          "experts.")
+
+
+def _trained_whole(module: str, config: dict) -> bool:
+    """Whether the adapter config lists module among modules_to_save (LLaMA-Factory: additional_target), whose
+    trained copy PEFT saves at the same `<module>.weight` key as a base weight's copy."""
+    names = config.get("modules_to_save") or ()
+    return any(module == name or module.endswith("." + name) for name in names)
 
 
 def _not_a_pair(key: str) -> str:

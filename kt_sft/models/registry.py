@@ -36,7 +36,7 @@ class MoEArchitecture:
         """Why a model of this architecture holds none of its experts modules: its config makes every layer dense
         (qwen*_moe's mlp_only_layers, deepseek's first_k_dense_replace, ...), or its transformers version names
         the experts class differently."""
-        if not any(type(m).__name__.endswith(("Experts", "NaiveMoe")) for m in model.modules()):
+        if not any(hasattr(m, "experts") for m in model.modules()):  # no MoE block at all
             return ValueError(f"this {self.model_type} config makes every layer a dense MLP (no routed experts), so "
                               "nothing would run on the CPU engine; train it with stock transformers instead.")
         return ValueError(f"no {' / '.join(self.experts_classes)} module found in this {self.model_type} model; its "

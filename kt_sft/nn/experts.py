@@ -676,7 +676,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         # RNG state for its recompute, so the recomputed forward drops the same entries as the first.
         p = self.lora_dropout[adapter].p if adapter and self.training else 0.0
         if not 0.0 <= p < 1.0:
-            raise ValueError(f"LoRA dropout must be in [0, 1), but adapter {adapter!r}'s is {p!r}.")
+            raise ValueError(f"LoRA dropout must be in [0, 1), but adapter {adapter!r}'s is {p!r}; set its "
+                             "lora_dropout (the nn.Dropout's p) below 1.")
         dropout = (p, int(torch.randint(0, 2**31, ()).item())) if p > 0 else (0.0, 0)
         trains = torch.is_grad_enabled() and (
             hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad

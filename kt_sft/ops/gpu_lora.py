@@ -63,11 +63,12 @@ _unwaited: dict[torch.device, torch.cuda.Event] = {}
 
 def wait_for_grad_uploads(*_) -> None:
     """Makes each device's current stream wait for the grads' uploads left unwaited (every optimizer's step runs
-    this first, and so does clip_grad_norm_)."""
+    this first, and so does clip_grad_norm_; fp16's GradScaler.unscale_, which reads the grads before either, does
+    not: after a raising backward under fp16, drop the grads with zero_grad())."""
     for device, event in list(_unwaited.items()):
         torch.cuda.current_stream(device).wait_event(event)
         if _unwaited.get(device) is event:
-            del _unwaited[device]
+            _unwaited.pop(device, None)
 
 
 register_optimizer_step_pre_hook(wait_for_grad_uploads)
@@ -196,6 +197,6 @@ class GpuLora:
             compute.wait_event(event)
             torch.cuda.current_stream(device).wait_event(event)
             if _unwaited.get(device) is event:
-                del _unwaited[device]
+                _unwaited.pop(device, None)
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)

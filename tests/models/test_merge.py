@@ -182,6 +182,14 @@ def test_adapter_carrying_its_base_embedding_weights_merges(tmp_path):
         save_file({**lora, **copies}, str(adapter / "adapter_model.safetensors"))
         with pytest.raises(ValueError, match=what):
             merge_adapter(model_dir, adapter, tmp_path / "out")
+    # A module trained whole (modules_to_save; LLaMA-Factory's additional_target) is saved at the same key, as PEFT
+    # 0.18.1 and 0.21 write it: named as such, not as a changed copy.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    trained = {k: v for k, v in lora.items() if ".lm_head." not in k}
+    save_file({**trained, "base_model.model.lm_head.weight": head + 1}, str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds base_model\.model\.lm_head\.weight, a whole trained module"):
+        merge_adapter(model_dir, adapter, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -736,6 +737,16 @@ def test_load_state_dict_copies_into_the_weights_the_engine_reads(peft, master, 
         m.load_state_dict(state)
     del state[prefix + "gate_up_proj"], state[prefix + "down_proj"]
     assert m.load_state_dict(state, strict=False).missing_keys == [prefix + "gate_up_proj", prefix + "down_proj"]
+
+
+def test_a_warning_past_an_ignore_filter_is_logged_once(caplog):
+    # As the default filter shows a warning once per place: a per-layer warning had been logged at every call.
+    from kt_sft._ext import warn
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            warn("kt_sft: a message of this test")
+    assert [r.levelname for r in caplog.records if "a message of this test" in r.getMessage()] == ["WARNING"]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
