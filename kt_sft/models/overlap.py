@@ -68,7 +68,7 @@ class SharedExpertsOverlap:
         if x is not x0 or args or kwargs:
             self.remove()
             warn("kt_sft: this model's MoE block calls its shared experts on something other than the "
-                          "block's input; their overlap with the CPU experts is turned off.")
+                 "block's input; their overlap with the CPU experts is turned off.")
             return self.run(x, *args, **kwargs)
         return out
 

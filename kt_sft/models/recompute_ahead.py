@@ -143,8 +143,8 @@ class Pass:
         except torch.cuda.OutOfMemoryError:
             _out_of_memory = True
             warn("kt_sft: the GPU ran out of memory recomputing a checkpointed layer ahead of the CPU "
-                          "engine's backward; each layer's recompute runs after it from now on (slower; "
-                          "KT_SFT_RECOMPUTE_AHEAD=0 skips the attempt).")
+                 "engine's backward; each layer's recompute runs after it from now on (slower; "
+                 "KT_SFT_RECOMPUTE_AHEAD=0 skips the attempt).")
             return
         self.ahead = outputs, inputs
 

@@ -117,7 +117,7 @@ class ExpertWeight(nn.Parameter):
             return
         if value.dtype not in (torch.bfloat16, torch.float32):
             warn(f"kt_sft: a {value.dtype} value given to a routed expert weight is copied into its "
-                          f"{self.dtype} storage (the engine reads the weights in place).", stacklevel=2)
+                 f"{self.dtype} storage (the engine reads the weights in place).", stacklevel=2)
         with torch.no_grad():
             self.copy_(value)  # on the parameter itself, whose version counter then tells sync and kept passes
 
@@ -283,15 +283,15 @@ class KTExperts(LoadsInPlace, nn.Module):
                 why = (f"the kernel set {caps['kernels']} has no tile products" if not caps["tiles_in_use"] else
                        f"the experts get {activations} activations, which take no tile products (a BF16 model's do)")
                 warn(f"kt_sft: KT_SFT_BACKWARD_COPY=1 has no effect here: {why}, the only ones that read the "
-                              "copy, so none is kept; unset it.", stacklevel=2)
+                     "copy, so none is kept; unset it.", stacklevel=2)
             return None
         weights = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
         trained = self.gate_up_proj.requires_grad or self.down_proj.requires_grad
         if trained:
             count_optimizer_steps()  # a fused optimizer's step bumps no version counter
             warn("kt_sft: KT_SFT_BACKWARD_COPY=1 with trained expert weights (full-parameter training) packs "
-                          "the copy again after every optimizer step, which costs more time than the copy saves; "
-                          "unset it for full-parameter training.", stacklevel=2)
+                 "the copy again after every optimizer step, which costs more time than the copy saves; "
+                 "unset it for full-parameter training.", stacklevel=2)
         # What the engine reads (a float32 master reaches it through sync, which bumps these versions).
         state = tuple((t.data_ptr(), t._version) for t in weights), _optimizer_steps[0] if trained else 0
         kept = self.__dict__.get("_backward_copy")
@@ -319,9 +319,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         if not _short_of_copy_room:
             _short_of_copy_room.append(True)
             warn(f"kt_sft: KT_SFT_BACKWARD_COPY=1, but {room[0] / 2**30:.1f} GiB of host RAM is available and "
-                          f"a layer's backward copy ({nbytes / 2**30:.2f} GiB) would leave less than "
-                          f"{reserve_bytes(room[1]) / 2**30:.1f} GiB; layers without one train without it (the same "
-                          "gradients, a slower backward). Free host RAM, or unset KT_SFT_BACKWARD_COPY.")
+                 f"a layer's backward copy ({nbytes / 2**30:.2f} GiB) would leave less than "
+                 f"{reserve_bytes(room[1]) / 2**30:.1f} GiB; layers without one train without it (the same "
+                 "gradients, a slower backward). Free host RAM, or unset KT_SFT_BACKWARD_COPY.")
         return False
 
     def base_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -592,8 +592,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         misses = self.__dict__["_kept_misses"] = self.__dict__.get("_kept_misses", 0) + 1
         if misses == MISSES_BEFORE_OFF:
             warn(f"kt_sft: gradient checkpointing's recompute gave these routed experts other inputs than "
-                          f"their first pass {misses} times in a row (a nondeterministic op before them?); they no "
-                          "longer keep their first pass and run the CPU engine again in the recompute.")
+                 f"their first pass {misses} times in a row (a nondeterministic op before them?); they no "
+                 "longer keep their first pass and run the CPU engine again in the recompute.")
         return None
 
     def base_grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -669,8 +669,8 @@ class KTExperts(LoadsInPlace, nn.Module):
                 # the model reached the GPU without a .to() / .cuda() of it (a dispatch)
                 _lora_not_moved.append(True)
                 warn("kt_sft: KT_SFT_LORA_ON_GPU=1, but these experts' LoRA is in host RAM while their inputs "
-                              "are on the GPU: the model did not get there by .to() / .cuda(), which moves it; call "
-                              "model.to(device) once (the expert weights stay in host RAM).")
+                     "are on the GPU: the model did not get there by .to() / .cuda(), which moves it; call "
+                     "model.to(device) once (the expert weights stay in host RAM).")
         r, scale = (self.r[adapter], self.scaling[adapter]) if adapter else (0, 0.0)
         # LoRA dropout in training mode, with a seed drawn from torch's RNG: gradient checkpointing restores the
         # RNG state for its recompute, so the recomputed forward drops the same entries as the first.

@@ -89,7 +89,7 @@ def check_room(device: torch.device, moving: int, placed: int) -> None:
     if now > free:
         raise ValueError(f"{what}; unset KT_SFT_LORA_ON_GPU to keep it in host RAM, or lower the LoRA rank.")
     warn(f"kt_sft: {what}: training would run out of GPU memory at its first optimizer step; unset "
-                  "KT_SFT_LORA_ON_GPU to keep the expert LoRA in host RAM, or lower the LoRA rank.")
+         "KT_SFT_LORA_ON_GPU to keep the expert LoRA in host RAM, or lower the LoRA rank.")
 
 
 class GpuLora:

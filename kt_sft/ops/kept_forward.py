@@ -110,10 +110,10 @@ def room_to_keep(nbytes: int) -> bool:
     if not _warned_short:
         _warned_short = True
         warn(f"kt_sft: {available / _GIB:.1f} GiB of host RAM available; keeping the CPU experts' first pass "
-                      f"for gradient checkpointing's recompute ({nbytes / _GIB:.2f} GiB per layer) would leave less "
-                      f"than {reserve_bytes(total) / _GIB:.1f} GiB, so layers past this point run the engine again "
-                      "in the recompute (slower, same gradients). Free host RAM or shorten cutoff_len to get the "
-                      "time back; KT_SFT_RECOMPUTE_EXPERTS=1 stops keeping passes altogether.")
+             f"for gradient checkpointing's recompute ({nbytes / _GIB:.2f} GiB per layer) would leave less "
+             f"than {reserve_bytes(total) / _GIB:.1f} GiB, so layers past this point run the engine again "
+             "in the recompute (slower, same gradients). Free host RAM or shorten cutoff_len to get the "
+             "time back; KT_SFT_RECOMPUTE_EXPERTS=1 stops keeping passes altogether.")
     return False
 
 

@@ -41,7 +41,7 @@ class WarnMissedExpertTargets:
         named = set().union(*(_named_targets(c) for c in configs.values())) if configs else set()
         if named & PER_EXPERT_NAMES and "experts" not in named and not module.lora_A:
             warn(f"kt_sft: the LoRA targets {sorted(named & PER_EXPERT_NAMES)} name per-expert projections, "
-                          "which transformers 5 fuses into one `experts` module per layer: the routed experts get no "
-                          "LoRA (in training they stay frozen; an adapter saved per expert, such as `kt-sft export`'s "
-                          "output, loads without its expert LoRA). Add `experts` to lora_target (LLaMA-Factory) or "
-                          "target_modules (PEFT) to train them, and serve the stacked adapter that training saved.", stacklevel=2)
+                 "which transformers 5 fuses into one `experts` module per layer: the routed experts get no "
+                 "LoRA (in training they stay frozen; an adapter saved per expert, such as `kt-sft export`'s "
+                 "output, loads without its expert LoRA). Add `experts` to lora_target (LLaMA-Factory) or "
+                 "target_modules (PEFT) to train them, and serve the stacked adapter that training saved.", stacklevel=2)
