@@ -48,6 +48,20 @@ class ExpertWeights(LoadsInPlace, nn.Module):
         return self.gate_up_proj
 
 
+def _refuse_fused_targets(target_parameters) -> None:
+    """Refuses target_parameters that name the experts' fused weights, before peft's own attempt to wrap them fails
+    with a message that does not say why: peft >= 0.19 turns the per-expert target names of transformers-5 MoE
+    models into these, from a config or from an adapter saved per expert."""
+    fused = sorted(t for t in target_parameters or () if t.rpartition(".")[2] in WEIGHT_NAMES)
+    if fused:
+        raise ValueError(f"target_parameters {fused} name the routed experts' fused weights, which take LoRA only as "
+                         "the target module 'experts' (peft >= 0.19 writes them there from the targets gate_proj/"
+                         "up_proj/down_proj, w1/w2/w3 or 'all-linear' of an MoE model, and from an adapter saved per "
+                         "expert such as kt-sft export's output, which is for other runtimes): target the attention "
+                         "projections and 'experts' (or load the stacked adapter that training saved), or use peft "
+                         "0.18.1 (LLaMA-Factory 0.9.5's pin) to train the dense and shared-expert MLPs by those names.")
+
+
 class KTExpertsLinear(KTExperts, LoraLayer):
     adapter_layer_names = ("lora_A", "lora_B")
     other_param_names = ("r", "lora_alpha", "scaling", "use_rslora", "lora_dropout")
@@ -92,16 +106,7 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         if setting("use_dora", False) or setting("lora_bias", False) or setting("use_alora", False) or \
                 setting("use_qalora", False):
             raise ValueError("DoRA, aLoRA, QALoRA and lora_bias are not supported on the routed experts; use plain LoRA.")
-        fused = sorted(t for t in setting("target_parameters", None) or () if t.rpartition(".")[2] in WEIGHT_NAMES)
-        if fused:
-            # Said here, before peft's own attempt to wrap these parameters fails with a message that does not say
-            # why: peft >= 0.19 turns the v4 per-expert target names of transformers-5 MoE models into these.
-            raise ValueError(f"target_parameters {fused} name the routed experts' fused weights, which take LoRA only "
-                             "as the target module 'experts' (peft >= 0.19 writes them there from the targets "
-                             "gate_proj/up_proj/down_proj, w1/w2/w3 or 'all-linear' of an MoE model, taking those "
-                             "targets off its dense and shared-expert MLPs): leave those names out, e.g. target the "
-                             "attention projections and 'experts', or use peft 0.18.1 (LLaMA-Factory 0.9.5's pin) to "
-                             "train those MLPs too.")
+        _refuse_fused_targets(setting("target_parameters", None))
         if "base_layer" not in self._modules:
             # The first adapter: the weights move to where PEFT keeps a wrapped layer's (module docstring), straight
             # into the tables: register_parameter would make meta copies under low_cpu_mem_usage's empty init.
@@ -248,6 +253,22 @@ def _refusing_the_experts(create_and_replace, method: str):
                              "o_proj), or train the experts with LoRA.")
         return create_and_replace(self, config, adapter_name, target, *args, **kwargs)
     return checked
+
+
+def _refusing_fused_targets(inject_parameters):
+    """LoraModel's `_inject_parameters` (peft >= 0.19) that names target_parameters on the experts' fused weights in
+    one sentence where the model holds CPU experts: with no 'experts' among the target modules, the experts'
+    update_layer, which refuses them too, is never reached."""
+    @functools.wraps(inject_parameters)
+    def checked(self, peft_config, model, *args, **kwargs):
+        if any(isinstance(m, KTExpertsLinear) for m in model.modules()):
+            _refuse_fused_targets(getattr(peft_config, "target_parameters", None))
+        return inject_parameters(self, peft_config, model, *args, **kwargs)
+    return checked
+
+
+if hasattr(LoraModel, "_inject_parameters"):
+    LoraModel._inject_parameters = _refusing_fused_targets(LoraModel._inject_parameters)
 
 
 # Every tuner but LoRA (and X-LoRA, which holds LoRA adapters); each had refused the experts with a traceback, or
