@@ -116,7 +116,7 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with open_safetensors(adapter_dir / ADAPTER_WEIGHTS) as f:
         for key in f.keys():
-            stacked, plain = STACKED_KEY.match(key), _PLAIN_KEY.match(key)
+            stacked, plain, copy = STACKED_KEY.match(key), _PLAIN_KEY.match(key), _BASE_COPY_KEY.match(key)
             if stacked:
                 t = f.get_tensor(key)
                 check_stacked(stacked, t, model, config["r"])
@@ -125,9 +125,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
                 pairs.setdefault(prefix + checkpoint_key(arch, plain["module"]), {})[plain["ab"]] = f.get_tensor(key)
-            elif _BASE_COPY_KEY.match(key) and not _trained_whole(_BASE_COPY_KEY.match(key)["module"], config):
-                check_base_copy(ckpt, prefix + checkpoint_key(arch, _BASE_COPY_KEY.match(key)["module"]),
-                                f.get_tensor(key), key)
+            elif copy and not _trained_whole(copy["module"], config):
+                check_base_copy(ckpt, prefix + checkpoint_key(arch, copy["module"]), f.get_tensor(key), key)
             else:
                 raise ValueError(f"the adapter holds {key}, {_not_a_pair(key)}; kt-sft merge merges the LoRA pairs of "
                                  "linear layers only: serve this adapter unmerged.")
@@ -157,10 +156,12 @@ def checkpoint_key(arch, module: str) -> str:
 def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str) -> None:
     """A base weight the adapter carries must be the checkpoint's as the trained model held it (rounded to the
     copy's dtype): merged into the published weight, a changed one would be lost."""
-    if weight not in ckpt.shard_of and weight_keys("int4", weight)[0] not in ckpt.shard_of:
+    try:
+        fmt = stored_format(ckpt, weight)
+    except ValueError:
         raise ValueError(f"the adapter holds {key}, a whole weight for {weight}, which the checkpoint {ckpt.dir} does "
-                         "not have; merge it into the model it was trained on.")
-    stored = read_weight(ckpt, weight if weight in ckpt.shard_of else weight_keys("int4", weight)[0])[1]
+                         "not have; merge it into the model it was trained on.") from None
+    stored = read_weight(ckpt, weight_keys(fmt, weight)[0])[1]
     if tuple(stored.shape) != tuple(copy.shape) or not torch.equal(stored.to(copy.dtype), copy):
         what = (f"resized from {list(stored.shape)} to {list(copy.shape)} (a vocabulary resized in training)"
                 if tuple(stored.shape) != tuple(copy.shape) else "with values other than the checkpoint's")
