@@ -165,11 +165,11 @@ class StackedLora(nn.ParameterDict):
     """One adapter's LoRA matrices of the experts, by projection, each stacked over the experts."""
 
     def __getattr__(self, name):
-        if name == "weight":  # PEFT code that reads lora_A[adapter] as one nn.Linear (add_weighted_adapter)
+        if name == "weight":  # PEFT code that reads lora_A[adapter] as one nn.Linear
             raise AttributeError("the routed experts' LoRA is stacked per expert and projection (lora_A.<adapter>.<proj>"
-                                 " [E, r, in]), not one Linear's weight: PEFT features that read it as one, such as "
-                                 "add_weighted_adapter, do not support the experts (delete_adapter the adapter it "
-                                 "left half made); combine adapters without 'experts' among their target_modules.")
+                                 " [E, r, in]), not one Linear's weight: PEFT features that read it as one do not "
+                                 "support the experts; use them with adapters without 'experts' among their "
+                                 "target_modules.")
         return super().__getattr__(name)
 
 
@@ -651,16 +651,20 @@ class KTExperts(LoadsInPlace, nn.Module):
             queued.work = None
         return work
 
-    # Outside any compiled graph (torch.compile, transformers' torch_compile): the engine runs on the CPU anyway, and
-    # traced, this Python had split the model into ~20 graphs, guarded on timer values and drawn dropout seeds from
-    # the compiler's RNG.
+    # Outside any compiled graph (torch.compile, transformers' torch_compile), with all it calls (KTExpertsLinear's
+    # forward too): the engine runs on the CPU anyway, and traced, this Python had split the model into ~20 graphs,
+    # guarded on timer values and drawn dropout seeds from the compiler's RNG.
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.run(hidden_states, top_k_index, top_k_weights, self.active_lora())
+
+    def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            adapter: str | None) -> torch.Tensor:
+        """The forward, applying adapter's LoRA (None: the base experts)."""
         beside = self.take_beside()
         note_caller()
         self._check(hidden_states, top_k_index, top_k_weights)
-        adapter = self.active_lora()  # may unmerge an adapter from the weights (KTExpertsLinear)
         self._sync_weights()
         lora = self.lora_params(adapter)
         if hidden_states.is_cuda and not _lora_not_moved:

@@ -16,7 +16,10 @@ module has them (`…experts.gate_up_proj`), which full fine-tuning saves in the
 
 PEFT merges module by module (merge_adapter, merge_and_unload), so a refusal raised by the experts themselves
 would come after the modules before them had merged (and, in merge_and_unload, been unloaded): LoraModel's
-merge_adapter and merge_and_unload (its _unload_and_optionally_merge) refuse merging into FP8/INT4 experts first.
+merge_adapter and merge_and_unload (its _unload_and_optionally_merge, and PeftMixedModel's) refuse merging into
+FP8/INT4 experts first. Likewise, what the experts cannot serve is refused before PEFT changes a layer or registers
+a hook: deleting a merged adapter, combining adapters on the experts (add_weighted_adapter), a mixed batch
+(adapter_names=...) whose rows give the experts different adapters.
 PEFT's other tuners (OFT, LoHa, IA3, VeRA, ...) refuse the experts as targets in one sentence (PEFT's own refusal
 is a traceback).
 
@@ -30,6 +33,7 @@ import inspect
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
+from peft.tuners.mixed import MixedModel
 from peft.tuners.tuners_utils import check_adapters_to_merge
 from torch import nn
 
@@ -130,24 +134,36 @@ class KTExpertsLinear(KTExperts, LoraLayer):
                       init=setting("init_lora_weights", True), dropout=setting("lora_dropout", 0.0))
         self.set_adapter(self.active_adapters, inference_mode=setting("inference_mode", False))
 
+    @torch.compiler.disable  # as KTExperts.forward
     def forward(self, hidden_states, top_k_index, top_k_weights, **peft_kwargs):
-        # PEFT's forward hooks add these for its per-sample features, which the experts' one adapter per call
-        # cannot serve.
-        if "adapter_names" in peft_kwargs:
-            raise ValueError("batches that mix adapters (adapter_names=...) are not supported on the routed experts; "
-                             "run one adapter at a time with set_adapter.")
+        # PEFT's forward hooks add adapter_names for a batch whose rows name adapters of their own (mixed-batch
+        # inference): served where every row names the same adapter of these experts, or none of theirs.
+        adapter_names = peft_kwargs.pop("adapter_names", None)
         if "alora_offsets" in peft_kwargs:
             raise ValueError("aLoRA (alora_invocation_tokens) is not supported on the routed experts; use plain LoRA, "
                              "or leave 'experts' out of target_modules.")
         if peft_kwargs:
             raise TypeError(f"unexpected arguments {sorted(peft_kwargs)} to the routed experts.")
+        adapter = self.active_lora() if adapter_names is None or self.disable_adapters else \
+            self.batch_adapter(adapter_names)
         base = [p for p in (self.gate_up_proj, self.down_proj) if isinstance(p, nn.Parameter) and p.requires_grad]
-        if base and torch.is_grad_enabled() and self.active_lora() is not None:
+        if base and torch.is_grad_enabled() and adapter is not None:
             raise ValueError("the routed experts' base weights are trainable under a LoRA adapter, so a LoRA step would "
                              "also train the whole expert stack; peft >= 0.19 leaves base weights as trainable as they "
                              "were before get_peft_model: call model.requires_grad_(False) before get_peft_model (peft "
                              "0.18.1, which LLaMA-Factory 0.9.5 pins, freezes them itself).")
-        return super().forward(hidden_states, top_k_index, top_k_weights)
+        return self.run(hidden_states, top_k_index, top_k_weights, adapter)
+
+    def batch_adapter(self, adapter_names) -> str | None:
+        """The adapter of these experts that a mixed batch's rows name ("__base__", or an adapter on other modules
+        only, names none of theirs): the engine applies one adapter per call, so the rows must agree."""
+        on_experts = {name if name in self.lora_A else None for name in adapter_names}
+        if len(on_experts) > 1:
+            named = ", ".join(sorted(name or "none" for name in on_experts))
+            raise ValueError(f"this batch's rows (adapter_names=...) give the routed experts different adapters "
+                             f"({named}), but the experts apply one adapter per call; run each adapter's rows as a "
+                             "batch of their own.")
+        return on_experts.pop() if on_experts else None
 
     def active_lora(self) -> str | None:
         # As PEFT's own layers: merged adapters act through the weights; disabling adapters unmerges them first.
@@ -175,8 +191,9 @@ class KTExpertsLinear(KTExperts, LoraLayer):
             self.merge_lora(self.merged_adapters.pop(), sign=-1.0)
 
     def delete_adapter(self, adapter_name: str) -> None:
-        # A merged adapter's update is in the weights: taken back out before its LoRA goes (PEFT's own layers leave
-        # it merged, and its name in merged_adapters broke every later unmerge here).
+        # A merged adapter's update is in the weights: taken back out before its LoRA goes, where this layer is called
+        # on its own (LoraModel's delete_adapter refuses merged adapters), else its name in merged_adapters broke
+        # every later unmerge here.
         self._unmerge_adapter(adapter_name)
         super().delete_adapter(adapter_name)
 
@@ -241,6 +258,76 @@ LoraModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts
     LoraModel._unload_and_optionally_merge, lambda args: args.get("merge", True))
 
 
+def _unloading_the_experts_first(unload):
+    """MixedModel's `_unload_and_optionally_merge` (PeftMixedModel's merge_and_unload and unload), which puts each
+    tuner layer's base layer in its place: the experts' is the holder of their weights, which does not run. The
+    experts are unloaded first, as LoraModel's own unloading does it (unload_and_optionally_merge_module)."""
+    @functools.wraps(unload)
+    def unloading(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+        for name, module in list(self.model.named_modules()):
+            if isinstance(module, KTExpertsLinear) and "base_layer" in module._modules:
+                parent, _, child = name.rpartition(".")
+                self.model.get_submodule(parent).register_module(
+                    child, module.unload_and_optionally_merge_module(merge, safe_merge, adapter_names))
+        return unload(self, merge=merge, progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
+    return unloading
+
+
+MixedModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts(
+    _unloading_the_experts_first(MixedModel._unload_and_optionally_merge), lambda args: args.get("merge", True))
+
+
+def _holds_experts(model) -> bool:
+    return any(isinstance(m, KTExpertsLinear) for m in model.modules())
+
+
+def _refusing_deletes_of_merged_adapters(delete_adapter):
+    """LoraModel's `delete_adapter`, refusing an adapter merged into the weights before any layer changes, where the
+    model holds CPU experts (as peft >= 0.21 does for every model): peft 0.18.1 deletes its LoRA and leaves its update
+    in the other layers' weights, while the experts take theirs out (KTExpertsLinear.delete_adapter)."""
+    @functools.wraps(delete_adapter)
+    def checked(self, adapter_name, *args, **kwargs):
+        if _holds_experts(self.model) and \
+                any(adapter_name in getattr(m, "merged_adapters", ()) for m in self.model.modules()):
+            raise ValueError(f"adapter {adapter_name!r} is merged into the weights, and deleting it would leave its "
+                             "update in some layers and not in others; call unmerge_adapter() before delete_adapter.")
+        return delete_adapter(self, adapter_name, *args, **kwargs)
+    return checked
+
+
+def _checking_mixed_batches(enable_hooks):
+    """LoraModel's `_enable_peft_forward_hooks`, asking each expert layer first for the adapter of a mixed batch
+    (adapter_names=...; KTExpertsLinear.batch_adapter): its refusal inside the forward came after PEFT registered the
+    hooks, which PEFT removes only when the forward returns, so every later call of the model was refused too."""
+    @functools.wraps(enable_hooks)
+    def checked(self, *args, **kwargs):
+        names = kwargs.get("adapter_names")
+        if names is not None:
+            for module in self.model.modules():
+                if isinstance(module, KTExpertsLinear) and not module.disable_adapters:
+                    module.batch_adapter(names)
+        return enable_hooks(self, *args, **kwargs)
+    return checked
+
+
+def _refusing_weighted_experts(add_weighted_adapter):
+    """LoraModel's `add_weighted_adapter`, refusing adapters with LoRA on the experts before PEFT makes the new
+    adapter: PEFT's combination reads each layer's LoRA as one Linear's, which the experts' stacked LoRA refuses only
+    after the new adapter is in place (a retry then found the name taken and served it half made)."""
+    @functools.wraps(add_weighted_adapter)
+    def checked(self, adapters, *args, **kwargs):
+        if any(isinstance(m, KTExpertsLinear) and any(a in m.lora_A for a in adapters) for m in self.model.modules()):
+            raise ValueError("add_weighted_adapter cannot combine adapters with LoRA on the routed experts (stacked per "
+                             "expert, not one Linear's); combine adapters without 'experts' among their target_modules.")
+        return add_weighted_adapter(self, adapters, *args, **kwargs)
+    return checked
+
+
+LoraModel.delete_adapter = _refusing_deletes_of_merged_adapters(LoraModel.delete_adapter)
+LoraModel._enable_peft_forward_hooks = _checking_mixed_batches(LoraModel._enable_peft_forward_hooks)
+LoraModel.add_weighted_adapter = _refusing_weighted_experts(LoraModel.add_weighted_adapter)
+
+
 def _refusing_the_experts(create_and_replace, method: str):
     """A PEFT tuner's `_create_and_replace` that names the routed experts, which only LoRA adapts, where PEFT's own
     refusal is a traceback about an unsupported module (LLaMA-Factory's `lora_target: all`, which selects the
@@ -261,7 +348,7 @@ def _refusing_fused_targets(inject_parameters):
     update_layer, which refuses them too, is never reached."""
     @functools.wraps(inject_parameters)
     def checked(self, peft_config, model, *args, **kwargs):
-        if any(isinstance(m, KTExpertsLinear) for m in model.modules()):
+        if _holds_experts(model):
             _refuse_fused_targets(getattr(peft_config, "target_parameters", None))
         return inject_parameters(self, peft_config, model, *args, **kwargs)
     return checked
