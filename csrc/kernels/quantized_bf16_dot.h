@@ -132,15 +132,20 @@ struct Fp8Steps {
 // past K), and for a codec with kBias the float32 vector per step that takes the bias back off its products: lane l
 // of a product sums words 2l and 2l + 1 of each of the step's vectors, so lane l of `bias` is −kBias × their
 // activations' sum (a vdpbf16ps of each vector with ones).
+// bf16_dot_activations' word order (its comment says how it reads). Outside that function: clang rejects a struct
+// local to its lambda that reads the function's constexpr V.
+template <int V>
+struct alignas(64) DotLanes {
+  int16_t idx[V][32];
+  __mmask32 from[V][V / 2];
+};
+
 template <class Codec>
 void bf16_dot_activations(const float* x, long K, bf16* dst, float* bias) {
   constexpr int V = Codec::kStep / 32;  // BF16 vectors per step
   // Vector v's word j comes from word column & 63 of source pair column / 64, blended in by a mask.
   static const auto order = [] {
-    struct alignas(64) Lanes {
-      int16_t idx[V][32];
-      __mmask32 from[V][V / 2];
-    } o;
+    DotLanes<V> o;
     for (int v = 0; v < V; ++v) {
       for (int p = 0; p < V / 2; ++p) o.from[v][p] = 0;
       for (int j = 0; j < 32; ++j) {
