@@ -157,6 +157,9 @@ class KTExpertsLinear(KTExperts, LoraLayer):
     def batch_adapter(self, adapter_names) -> str | None:
         """The adapter of these experts that a mixed batch's rows name ("__base__", or an adapter on other modules
         only, names none of theirs): the engine applies one adapter per call, so the rows must agree."""
+        if self.merged:  # its LoRA would be applied on top of its update (PEFT's layers refuse it alike)
+            raise ValueError("Cannot pass `adapter_names` when there are merged adapters, please call "
+                             "`unmerge_adapter` first.")
         on_experts = {name if name in self.lora_A else None for name in adapter_names}
         if len(on_experts) > 1:
             named = ", ".join(sorted(name or "none" for name in on_experts))

@@ -328,6 +328,16 @@ def test_a_mixed_batch_the_experts_cannot_serve_is_refused_and_leaves_the_model_
     assert torch.equal(kt(ids).logits, before)
 
 
+@torch.no_grad()
+def test_a_mixed_batch_over_merged_experts_is_refused():
+    # With the adapter on the experts alone (no PEFT layer to refuse it), its LoRA ran on top of its merged update.
+    ids = batch(3)["input_ids"]
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["experts"], init_lora_weights=False))
+    kt.eval().merge_adapter()
+    with pytest.raises(ValueError, match="when there are merged adapters"):
+        kt(ids, adapter_names=["default", "default"])
+
+
 @pytest.mark.parametrize("merge", [True, False])
 @torch.no_grad()
 def test_a_mixed_peft_model_unloads_the_experts(merge):
