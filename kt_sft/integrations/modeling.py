@@ -13,6 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from .. import configure
+from .._ext import _C, warn
 from ..loader.model import load_hybrid_model
 
 SETTINGS_KEY = "kt_sft"
@@ -45,6 +46,26 @@ def _single_device(device_map):
     return torch.device(f"cuda:{device_map}" if isinstance(device_map, int) else device_map)
 
 
+# The prepared directories loaded in this process: the engine's settings are the process's, shared by every model.
+_loaded: list[str] = []
+
+
+def _apply_settings(path, settings: dict) -> None:
+    """The engine threads and kernel set that prepare recorded, applied; a change of those that models loaded before
+    run with is warned about (it changes their speed, and their results within the kernels' rounding)."""
+    threads, kernels = settings.get("threads") or None, settings.get("kernels") or None
+    if threads or kernels:
+        before = {k: _C.capabilities()[k] for k in ("threads", "kernels")}
+        configure(threads=threads, kernels=kernels)
+        after = {k: _C.capabilities()[k] for k in ("threads", "kernels")}
+        if _loaded and after != before:
+            warn(f"kt_sft: {path} was prepared with engine threads={after['threads']}, kernels={after['kernels']}; "
+                 "these settings are the process's, so the models loaded before it in this process "
+                 f"({', '.join(_loaded)}, which ran with threads={before['threads']}, kernels={before['kernels']}) "
+                 "now run with them too; prepare the models with the same --threads and --kernels to avoid it.")
+    _loaded.append(str(path))
+
+
 class KTSFTForCausalLM:
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):
@@ -65,8 +86,7 @@ class KTSFTForCausalLM:
                              "quantization_config (LLaMA-Factory: quantization_bit): its routed experts are quantized "
                              "by `kt-sft prepare --expert-format fp8|int4`, and the rest stays in the model's dtype; "
                              "leave quantization_bit out.")
-        if settings.get("threads") or settings.get("kernels"):
-            configure(threads=settings.get("threads") or None, kernels=settings.get("kernels") or None)
+        _apply_settings(pretrained_model_name_or_path, settings)
         if kwargs.get("attn_implementation"):
             config._attn_implementation = kwargs["attn_implementation"]
         model = load_hybrid_model(settings["source"], config, dtype=_dtype(config, kwargs),

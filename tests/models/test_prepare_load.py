@@ -1,12 +1,15 @@
 """`kt-sft prepare` + AutoModelForCausalLM(trust_remote_code) on tiny checkpoints written as transformers
 saves them (per-expert keys), and the clear errors for bad checkpoints."""
 import json
+import warnings
 
 import pytest
 import torch
 import transformers
 
+import kt_sft
 from kt_sft.cli import run
+from kt_sft.integrations import modeling
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import CONFIGS, save_checkpoint, tiny_model
@@ -22,6 +25,25 @@ def saved(tmp_path):
         (src / "tokenizer_config.json").write_text("{}")  # stands for the tokenizer files, copied
         return model, src
     return save
+
+
+def test_a_load_that_changes_the_engine_settings_of_models_loaded_before_warns(saved, tmp_path, monkeypatch):
+    # The settings are the process's: the last prepared model loaded had changed every other's threads and kernel
+    # set without a word.
+    _, src = saved("qwen3_moe")
+    monkeypatch.setattr(modeling, "_loaded", [])
+    threads = kt_sft.capabilities()["threads"]
+    try:
+        for name, count in (("first", 2), ("again", 2), ("second", 1)):
+            assert run(["prepare", str(src), str(tmp_path / name), "--threads", str(count)]) == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for name in ("first", "again"):
+                transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True)
+        with pytest.warns(RuntimeWarning, match=r"threads=1, .*the models loaded before it .*first.*threads=2"):
+            transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "second", trust_remote_code=True)
+    finally:
+        kt_sft.configure(threads=threads)
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
