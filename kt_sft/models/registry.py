@@ -96,7 +96,7 @@ def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
-                         f"{', '.join(sorted([*_REGISTRY, *_ALIASES]))}.")
+                         f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # checked here so that loading a checkpoint refuses it too, not only patching
         raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only, so "

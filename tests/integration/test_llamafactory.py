@@ -312,3 +312,15 @@ def test_preference_stage_follows_the_stock_model(demo, pref_data, bf16_experts_
         assert keys <= a.keys() and "loss" in keys, (a, b)
         for k in keys:
             assert abs(a[k] - b[k]) <= TRAIN_STEPS * max(abs(b[k]), 1e-2), (a["step"], k, a[k], b[k])
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (Path(__file__).parents[2] / "examples").glob("*.yaml")))
+def test_example_configs_are_llamafactory_arguments(example):
+    # What a user copies: every key an argument of LLaMA-Factory 0.9.5 (its parser refuses others), every template
+    # one it ships. bf16 off: its check wants a GPU, which the configs are for.
+    from llamafactory.data.template import TEMPLATES
+    from llamafactory.hparams.parser import _parse_train_args
+
+    args = yaml.safe_load((Path(__file__).parents[2] / "examples" / example).read_text())
+    assert args["template"] in TEMPLATES
+    _parse_train_args({**args, "bf16": False, "use_cpu": True})
