@@ -17,9 +17,13 @@ import time
 
 from .._ext import _C
 
+# The process's totals: a training step's engine time comes from autograd's device threads too (an inference
+# thread's beside it, an API server's workers, is counted alike).
 _SECONDS = {"forward": 0.0, "backward": 0.0, "transfer": 0.0, "gpu": 0.0}
+_ADDING = threading.Lock()  # the sums are read-modify-writes, which two threads' spans could interleave
 _THREAD = threading.local()  # .open: the phases this thread is timing, innermost last (another thread's spans
-# are not part of them: inference calls from an API server's workers, autograd's device thread)
+# are not part of them: inference calls from an API server's workers, autograd's device thread); .uncounted:
+# how many `uncounted` blocks this thread is in
 
 
 def _open() -> list[str]:
@@ -49,22 +53,26 @@ class engine_timer:  # noqa: N801 - used as `with engine_timer(phase):`; a class
 def add_engine_seconds(phase: str, spent: float) -> None:
     """Adds a span to phase (engine_timer's, or one timed outside it: an engine call that ran while Python went
     on); an open outer phase gives the time up."""
-    _SECONDS[phase] += spent
+    if getattr(_THREAD, "uncounted", 0):
+        return
     opened = _open()
-    if opened:
-        _SECONDS[opened[-1]] -= spent
+    with _ADDING:
+        _SECONDS[phase] += spent
+        if opened:
+            _SECONDS[opened[-1]] -= spent
 
 
 class uncounted:  # noqa: N801 - used as `with uncounted():`
-    """Inside, timed phases add nothing: work run beside an engine call whose wait adds its whole span (a
-    transfer or GPU wait there overlaps the engine's time and would count twice)."""
-    __slots__ = ("saved",)
+    """Inside, this thread's timed phases add nothing: work run beside an engine call whose wait adds its whole
+    span (a transfer or GPU wait there overlaps the engine's time and would count twice). Other threads' spans
+    still count (it had restored the totals on leaving, taking theirs out too)."""
+    __slots__ = ()
 
     def __enter__(self):
-        self.saved = dict(_SECONDS)
+        _THREAD.uncounted = getattr(_THREAD, "uncounted", 0) + 1
 
     def __exit__(self, *exc):
-        _SECONDS.update(self.saved)
+        _THREAD.uncounted -= 1
         return False
 
 
@@ -73,8 +81,9 @@ def engine_seconds() -> dict:
 
 
 def reset_engine_seconds() -> None:
-    for k in _SECONDS:
-        _SECONDS[k] = 0.0
+    with _ADDING:
+        for k in _SECONDS:
+            _SECONDS[k] = 0.0
 
 
 def profile_engine_phases(on: bool) -> None:

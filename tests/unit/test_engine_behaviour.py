@@ -957,6 +957,33 @@ def test_engine_timers_of_two_threads_keep_to_their_own_phases():
     reset_engine_seconds()
 
 
+def test_uncounted_leaves_other_threads_spans_counted():
+    # It restored the totals on leaving, taking out what other threads (an inference thread beside training)
+    # had added meanwhile.
+    reset_engine_seconds()
+    inside, added = threading.Event(), threading.Event()
+
+    def beside():
+        with timing.uncounted():
+            inside.set()
+            added.wait(10)
+            timing.add_engine_seconds("transfer", 3.0)  # this thread's, uncounted
+
+    def other():
+        inside.wait(10)
+        timing.add_engine_seconds("forward", 5.0)
+        added.set()
+
+    threads = [threading.Thread(target=f) for f in (beside, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spent = engine_seconds()
+    assert spent["forward"] == 5.0 and spent["transfer"] == 0.0, spent
+    reset_engine_seconds()
+
+
 def test_doctor_reports_what_this_machine_runs(capsys, monkeypatch):
     from kt_sft.cli import main
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
