@@ -93,6 +93,12 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
+    past = sorted({layer_past_the_model(k, config) for k in ckpt.keys() if not prediction_layer(k, config)} - {None})
+    if past:  # the loader would leave those layers out: another model than the checkpoint's
+        raise ValueError(f"the checkpoint holds layer {past[-1]} (model.layers.{past[-1]}.…), past the "
+                         f"{config.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
+                         f"num_nextn_predict_layers = {getattr(config, 'num_nextn_predict_layers', 0) or 0} "
+                         "multi-token-prediction layers after them); check that config.json belongs to these weights.")
     top_k = getattr(config, "num_experts_per_tok", None)
     experts = experts_modules(skeleton, arch)
     if not experts:
@@ -220,12 +226,18 @@ def _refuse_saving(model, fmt: str) -> None:
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def beyond_the_layers(key: str, config) -> bool:
-    """A checkpoint key of a layer past config.num_hidden_layers: the multi-token-prediction layer that DeepSeek-V3/R1
-    (layer 61) and GLM-4.5 (92; 46 for Air) publish beside the model, which transformers' models skip on load too
-    (`_keys_to_ignore_on_load_unexpected`); its routed experts alone are ~11 GB at DeepSeek-V3."""
+def layer_past_the_model(key: str, config) -> int | None:
+    """The layer of a checkpoint key past config.num_hidden_layers, else None."""
     m = _LAYER_KEY.match(key)
-    return m is not None and int(m[1]) >= config.num_hidden_layers
+    return int(m[1]) if m is not None and int(m[1]) >= config.num_hidden_layers else None
+
+
+def prediction_layer(key: str, config) -> bool:
+    """A checkpoint key of the multi-token-prediction layers that DeepSeek-V3/R1 (layer 61) and GLM-4.5 (92; 46 for
+    Air) publish past the model's layers (config.json's num_nextn_predict_layers of them), which transformers' models
+    skip on load too (`_keys_to_ignore_on_load_unexpected`); their routed experts alone are ~11 GB at DeepSeek-V3."""
+    layer = layer_past_the_model(key, config)
+    return layer is not None and layer < config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", 0) or 0)
 
 
 def kept_in_float32(model, dtype: torch.dtype):
@@ -265,7 +277,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     float32 = kept_in_float32(model, dtype)
     state = {}
     for key in ckpt.keys():
-        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES) or beyond_the_layers(key, config):
+        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES) or prediction_layer(key, config):
             continue
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)

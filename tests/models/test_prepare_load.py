@@ -325,9 +325,10 @@ def test_a_distributed_launch_is_refused_before_loading(saved, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
-def test_a_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
-    """DeepSeek-V3/R1 and GLM-4.5 publish their multi-token-prediction layer (61; 92, 46 for Air) as one more
-    `model.layers.N` with routed experts; transformers skips it on load, and so must the hybrid loader."""
+def test_a_multi_token_prediction_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
+    """DeepSeek-V3/R1 and GLM-4.5 publish their multi-token-prediction layer (61; 92, 46 for Air; config.json's
+    num_nextn_predict_layers) as one more `model.layers.N` with routed experts; transformers skips it on load, and
+    so must the hybrid loader."""
     import transformers as tf
     from tiny_models import CONFIGS as configs
     config = configs[model_type]()
@@ -336,7 +337,8 @@ def test_a_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
     src = tmp_path / "src"
     save_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32), src)
     published = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**published, "num_hidden_layers": config.num_hidden_layers - 1}))
+    (src / "config.json").write_text(json.dumps({**published, "num_hidden_layers": config.num_hidden_layers - 1,
+                                                 "num_nextn_predict_layers": 1}))
     stock = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # warns of the extra layer
     with torch.no_grad():
         for name, p in stock.named_parameters():
@@ -347,3 +349,19 @@ def test_a_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("model_type,nextn", [("qwen3_moe", None), ("deepseek_v3", 0)])
+def test_layers_past_the_configs_layers_that_no_prediction_layer_explains_are_refused(saved, tmp_path, model_type,
+                                                                                     nextn):
+    # They were skipped like DeepSeek-V3's multi-token-prediction layer: a config.json with a smaller
+    # num_hidden_layers loaded a shorter model (logits 0.53 off) without a word.
+    _, src = saved(model_type)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] -= 1
+    if nextn is not None:
+        config["num_nextn_predict_layers"] = nextn
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"holds layer {config['num_hidden_layers']} .*past the "
+                                         rf"{config['num_hidden_layers']} layers that config.json's num_hidden_layers"):
+        run(["prepare", str(src), str(tmp_path / "prepared")])
