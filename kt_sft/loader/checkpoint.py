@@ -22,6 +22,14 @@ def open_safetensors(path: Path):
     except SafetensorError as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or incomplete: download or "
                          "save it again.") from None
+    except OSError:  # safetensors' own words are "No such file or directory" whatever the cause, or an errno's
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory, where its checkpoint's index names a shard file; the index is "
+                             "damaged: download it again.") from None
+        if path.exists():
+            raise ValueError(f"{path} exists but could not be opened for reading: check that this user may read it "
+                             "(its permissions), and download it again if it is damaged.") from None
+        raise
 
 
 def write_safetensors(tensors: dict, path: Path, metadata: dict) -> None:
@@ -74,7 +82,7 @@ class Checkpoint:
             self.shard_of = {k[len(prefix):]: s for k, s in self.shard_of.items() if k.startswith(prefix)}
             if not self.shard_of:
                 raise ValueError(f"{self.dir} holds no tensor under {prefix!r}; its config.json and weights disagree.")
-        missing = sorted({s for s in self.shard_of.values() if not (self.dir / s).exists()})
+        missing = sorted({s for s in self.shard_of.values() if not (self.dir / s).is_file()})
         if missing:
             raise FileNotFoundError(f"{self.dir} lacks shard(s) {', '.join(missing[:3])}"
                                     f"{' and more' if len(missing) > 3 else ''} named by its index; download them.")

@@ -92,10 +92,12 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     read = read or ckpt.get
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
-        packed, shape = read(key), ckpt.get(base + ".weight_shape").tolist()
-        if len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0]:
-            raise ValueError(f"{base}.weight_shape says {shape}, but {key} holds {packed.shape[0]} rows; the "
-                             "checkpoint is damaged or was written wrongly: download it again.")
+        packed, stored = read(key), ckpt.get(base + ".weight_shape")
+        shape = stored.tolist()
+        if stored.is_floating_point() or len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0]:
+            raise ValueError(f"{base}.weight_shape says {shape} ({stored.dtype}), not the whole rows and columns of "
+                             f"{key}'s {packed.shape[0]} rows; the checkpoint is damaged or was written wrongly: "
+                             "download it again.")
         return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
     t = read(key)
     scale_key = key.removesuffix(".weight") + ".weight_scale_inv"

@@ -214,6 +214,32 @@ def test_an_index_naming_a_shard_outside_its_directory_is_refused(adapter, tmp_p
     assert (model_dir / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.parametrize("command", ["merge", "prepare"])
+def test_an_index_naming_a_directory_as_a_shard_is_refused(adapter, tmp_path, command):
+    # A directory passed the check for missing shards, and safetensors then said "No such device (os error 19)".
+    model_dir, adapter_dir = adapter
+    other = indexed_copy(model_dir, tmp_path, "weights/model.safetensors")
+    index = json.loads((other / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.norm.weight"] = "weights"
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    args = [str(other), str(adapter_dir)] if command == "merge" else [str(other)]
+    with pytest.raises(FileNotFoundError, match="lacks shard.s. weights named by its index"):
+        run([command, *args, str(tmp_path / "out")])
+
+
+def test_a_shard_that_exists_but_cannot_be_opened_is_named(adapter, tmp_path, monkeypatch):
+    # safetensors says "No such file or directory" for a file this user may not read (a shared model directory
+    # written with umask 077); as root, which reads any file, the refusal is what the test can make.
+    from kt_sft.loader import checkpoint
+
+    def refused(path, framework):
+        raise OSError(f"No such file or directory: {path}")
+    monkeypatch.setattr(checkpoint, "safe_open", refused)
+    model_dir, _ = adapter
+    with pytest.raises(ValueError, match="model.safetensors exists but could not be opened for reading: check that"):
+        run(["prepare", str(model_dir), str(tmp_path / "out")])
+
+
 def test_merge_writes_shards_that_sit_in_a_subdirectory(adapter, tmp_path):
     model_dir, adapter_dir = adapter
     other = indexed_copy(model_dir, tmp_path, "weights/model.safetensors")

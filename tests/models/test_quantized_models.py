@@ -193,6 +193,18 @@ def test_int4_weight_shape_of_any_expert_is_checked(published, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
+def test_an_int4_weight_shape_that_is_not_whole_numbers_is_named(published, tmp_path):
+    # Stored as floats, it reached the unpacking as a column count: a TypeError traceback where a weight is read
+    # whole (kt-sft merge; a dense INT4 weight at load).
+    from kt_sft.loader.checkpoint import Checkpoint
+    from kt_sft.loader.quantization import read_weight
+    src = quantize_checkpoint(published["bf16"], tmp_path / "float_shape", "int4", model_type="kimi_k2")
+    key = "model.layers.1.mlp.experts.3.gate_proj.weight_shape"
+    _rewrite(src, lambda state: state.__setitem__(key, state[key].float()))
+    with pytest.raises(ValueError, match=re.escape(key) + r" says \[.*\] \(torch.float32\), not the whole rows"):
+        read_weight(Checkpoint(src), key.replace("weight_shape", "weight_packed"))
+
+
 def test_int4_scales_that_are_not_bf16_are_refused(published, tmp_path):
     # The engine keeps group scales in BF16: float16 or float32 ones would have been rounded without a word.
     from safetensors.torch import load_file, save_file
