@@ -78,6 +78,20 @@ def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...])
                       "config.json's quantization_config belongs to these weights.")
 
 
+def _check_group_routing(config, E: int, top_k) -> None:
+    """DeepSeek-V3's (and GLM-4.5's, Kimi-K2's) router picks topk_group of n_group groups of experts, then top_k
+    experts in them: sizes that do not fit failed in the router's reshape, or at some token counts routed within
+    groups that straddle tokens."""
+    n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if not (isinstance(n_group, int) and isinstance(topk_group, int) and isinstance(top_k, int)):
+        return
+    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+        raise ValueError(f"config.json's group routing does not fit its {E} experts (n_group = {n_group}, topk_group = "
+                         f"{topk_group}, num_experts_per_tok = {top_k}): n_group must divide the experts, topk_group "
+                         "be 1 to n_group and num_experts_per_tok at most topk_group times the experts per group; "
+                         "restore the published config.json.")
+
+
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     """Every expert tensor (and its scales) is present with the shape config.json implies, before any weight
     is read."""
@@ -108,6 +122,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         if isinstance(top_k, int) and not 1 <= top_k <= E:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "
                              f"be 1 to {E}.")
+        _check_group_routing(config, E, top_k)
         extra = weight_keys(fmt, arch.expert_key(layer, E, 0))[0]
         if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
             raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "

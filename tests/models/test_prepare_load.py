@@ -365,3 +365,15 @@ def test_layers_past_the_configs_layers_that_no_prediction_layer_explains_are_re
     with pytest.raises(ValueError, match=rf"holds layer {config['num_hidden_layers']} .*past the "
                                          rf"{config['num_hidden_layers']} layers that config.json's num_hidden_layers"):
         run(["prepare", str(src), str(tmp_path / "prepared")])
+
+
+@pytest.mark.parametrize("routing", [dict(n_group=3), dict(topk_group=4), dict(n_group=4, num_experts_per_tok=3)],
+                         ids=["groups_split_no_experts_evenly", "more_groups_picked_than_there_are", "top_k_past_groups"])
+def test_group_routing_that_does_not_fit_the_experts_is_refused(saved, tmp_path, routing):
+    # Accepted, then a failure in the router's reshape or, at some token counts, routing within groups that straddle
+    # tokens.
+    _, src = saved("deepseek_v3")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **routing}))
+    with pytest.raises(ValueError, match="config.json's group routing does not fit its 8 experts"):
+        run(["prepare", str(src), str(tmp_path / "prepared")])
