@@ -455,17 +455,28 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w) : E_(E), H_(
     expect(w.gate_up_scale, "gate_up scale (weight_scale)", DType::bf16, {E, 2L * I, ceil_div(H, gs)});
     expect(w.down_scale, "down scale (weight_scale)", DType::bf16, {E, H, ceil_div(I, gs)});
   }
-  if (format_ != Format::bf16) check_quantized();
+  check_finite_weights();
 }
 
-// A NaN or infinite scale, or an FP8 NaN code, would turn whole blocks of outputs and gradients into NaN
-// one step later; refusing them here names the expert instead.
-void MoeExperts::check_quantized() const {
+// A NaN or infinite weight or scale, or an FP8 NaN code, would turn whole blocks of outputs and gradients into NaN
+// one step later (a BF16 one as soon as a token reaches its expert); refusing them here names the expert instead.
+void MoeExperts::check_finite_weights() const {
   Runtime& rt = Runtime::get();
-  std::vector<int> bad(E_, -1);  // per expert: -1 fine, 0 bad gate_up scale, 1 bad down scale, 2 NaN code
+  // per expert: -1 fine, 0 bad gate_up scale, 1 bad down scale, 2 NaN code, 3 bad gate/up weight, 4 bad down weight
+  std::vector<int> bad(E_, -1);
   const long n_scale[2] = {w_.gate_up_scale.numel() / E_, w_.down_scale.numel() / E_};
   const long n_code[2] = {w_.gate_up.numel() / E_, w_.down.numel() / E_};
   rt.parallel_for(E_, [&](long e, int) {
+    if (format_ == Format::bf16) {
+      const View* weights[2] = {&w_.gate_up, &w_.down};
+      for (int m = 0; m < 2 && bad[e] < 0; ++m) {
+        const uint16_t* q = weights[m]->as<uint16_t>() + e * n_code[m];
+        uint16_t special = 0;  // an all-ones exponent: Inf or NaN
+        for (long i = 0; i < n_code[m]; ++i) special |= uint16_t((q[i] & 0x7F80) == 0x7F80);
+        if (special) bad[e] = 3 + m;
+      }
+      return;
+    }
     const View* scales[2] = {&w_.gate_up_scale, &w_.down_scale};
     for (int m = 0; m < 2 && bad[e] < 0; ++m)
       for (long i = 0; i < n_scale[m]; ++i) {
@@ -485,12 +496,15 @@ void MoeExperts::check_quantized() const {
       if (nan) bad[e] = 2;
     }
   });
-  const char* what[3] = {"gate/up scales hold NaN or Inf", "down scales hold NaN or Inf",
-                         "FP8 weights hold NaN codes (0x7f/0xff)"};
+  const char* what[5] = {"gate/up scales hold NaN or Inf", "down scales hold NaN or Inf",
+                         "FP8 weights hold NaN codes (0x7f/0xff)", "gate/up weights hold NaN or Inf",
+                         "down weights hold NaN or Inf"};
   for (int e = 0; e < E_; ++e)
     if (bad[e] >= 0)
       throw std::invalid_argument(std::string("expert ") + std::to_string(e) + "'s " + what[bad[e]] +
-                                  "; the checkpoint is corrupt or was quantized wrongly: re-download or re-quantize it.");
+                                  (format_ == Format::bf16 ? "; the checkpoint is corrupt: re-download it."
+                                                           : "; the checkpoint is corrupt or was quantized wrongly: "
+                                                             "re-download or re-quantize it."));
 }
 
 template <class F>

@@ -101,7 +101,7 @@ class MoeExperts {
 
  private:
   void check_lora(const Lora& lora) const;
-  void check_quantized() const;
+  void check_finite_weights() const;
   // Calls f(rows) with expert e's projection p as kernel rows (Rows<bf16|fp8_block|int4_group>), kernel
   // row 0 being the projection's row `row0`.
   template <class F>

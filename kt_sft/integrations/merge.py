@@ -213,6 +213,9 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
     delta = scaling * (b.to(torch.float32) @ a.to(torch.float32))
     new = w + delta
     if not torch.isfinite(new).all():
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{weight} holds NaN or Inf in the model's checkpoint; it is corrupt: download it again "
+                             "(nothing was written).")
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
     if fmt == "int4":
         packed, scale = int4_group.requantize(new, scales, base=w)

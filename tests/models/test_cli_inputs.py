@@ -2,6 +2,7 @@
 nothing the user saved is overwritten, and the installed `kt-sft` prints that sentence without a traceback."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -238,6 +239,22 @@ def test_a_shard_that_exists_but_cannot_be_opened_is_named(adapter, tmp_path, mo
     model_dir, _ = adapter
     with pytest.raises(ValueError, match="model.safetensors exists but could not be opened for reading: check that"):
         run(["prepare", str(model_dir), str(tmp_path / "out")])
+
+
+def test_an_expert_weight_that_is_not_finite_is_named_by_merge_and_load(adapter, tmp_path):
+    # Loaded, it made the loss NaN once a token reached its expert; merge blamed the adapter.
+    model_dir, adapter_dir = adapter
+    other = tmp_path / "damaged"
+    shutil.copytree(model_dir, other)
+    state = load_file(other / "model.safetensors")
+    key = "model.layers.1.mlp.experts.2.down_proj.weight"
+    state[key][0, 0] = float("nan")
+    save_file(state, other / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{re.escape(key)} holds NaN or Inf in the model's checkpoint"):
+        run(["merge", str(other), str(adapter_dir), str(tmp_path / "merged")])
+    assert run(["prepare", str(other), str(tmp_path / "prepared")]) == 0  # prepare reads no weight
+    with pytest.raises(ValueError, match="layer 1's routed experts: expert 2's down weights hold NaN or Inf"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
 
 
 def test_merge_writes_shards_that_sit_in_a_subdirectory(adapter, tmp_path):

@@ -140,6 +140,17 @@ def test_requantize_keeps_the_published_grid(fmt):
                        codes[kept.repeat_interleave(32, -1)[..., :300]])
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("projection", ["gate_up", "down"])
+def test_bf16_expert_weights_that_are_not_finite_are_refused(value, projection):
+    # Accepted, they turned every output and gradient of a token routed to that expert into NaN.
+    gate_up, down = torch.randn(3, 8, 16).bfloat16(), torch.randn(3, 16, 4).bfloat16()
+    (gate_up if projection == "gate_up" else down)[2, 1, 3] = value
+    name = "gate/up" if projection == "gate_up" else "down"
+    with pytest.raises(ValueError, match=f"expert 2's {name} weights hold NaN or Inf; the checkpoint is corrupt"):
+        kt_sft.KTExperts(gate_up, down)
+
+
 def test_bad_scales_and_codes_are_refused():
     q = QuantizedExperts.quantize("fp8", torch.randn(2, 8, 16), torch.randn(2, 16, 4))
     with pytest.raises(ValueError, match="NaN or Inf"):
