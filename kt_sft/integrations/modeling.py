@@ -7,6 +7,7 @@ live under config.json's "kt_sft" key.
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -17,6 +18,10 @@ from .._ext import _C, warn
 from ..loader.model import load_hybrid_model
 
 SETTINGS_KEY = "kt_sft"
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _dtype(config, kwargs) -> torch.dtype:
@@ -78,9 +83,16 @@ class KTSFTForCausalLM:
         if not settings or "source" not in settings:
             raise ValueError(f"{pretrained_model_name_or_path} was not written by `kt-sft prepare` (config.json has no "
                              f"'{SETTINGS_KEY}' section); run `kt-sft prepare <model-dir> <out-dir>` first.")
-        if not (Path(settings["source"]) / "config.json").exists():
+        source_config = Path(settings["source"]) / "config.json"
+        if not source_config.exists():
             raise FileNotFoundError(f"{pretrained_model_name_or_path} was prepared from {settings['source']}, which has "
                                     "no config.json now (moved or deleted?); run `kt-sft prepare` again on the model.")
+        recorded = settings.get("source_config")  # directories prepared before it was recorded have none
+        if recorded is not None and recorded != file_digest(source_config):
+            # another model or release put in its place: its weights read through this directory's config.json
+            # (another format quantized anew, other shapes blamed on that copy)
+            raise ValueError(f"{source_config} changed since `kt-sft prepare` wrote {pretrained_model_name_or_path} "
+                             "(another model or release in its place?); run `kt-sft prepare` again on it.")
         if kwargs.get("quantization_config") is not None:  # LLaMA-Factory's quantization_bit (bitsandbytes, ...)
             raise ValueError(f"{pretrained_model_name_or_path} is a kt_sft model, which does not take a "
                              "quantization_config (LLaMA-Factory: quantization_bit): its routed experts are quantized "

@@ -7,7 +7,6 @@ wrote through links into the source model's own files. Everything is checked bef
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from ..loader.model import check_checkpoint
 from ..loader.quantization import checkpoint_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from .export import read_config, resolved, text_config
-from .modeling import SETTINGS_KEY
+from .modeling import SETTINGS_KEY, file_digest
 
 SHIM = "modeling_kt_sft.py"
 SHIM_TEXT = '''"""Written by `kt-sft prepare`: routes AutoModelForCausalLM to kt_sft (routed experts on the CPU engine)."""
@@ -32,10 +31,6 @@ _WEIGHT_FILES = ("model.safetensors.index.json",)
 COPY_BYTES = 64 << 20  # tokenizers and templates are a few MB at most
 # A model directory's tokenizer, whichever kind (fast, sentencepiece, BPE vocabulary, tiktoken: Kimi-K2's).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
@@ -86,7 +81,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     files = [f for f in source.iterdir()
              if not (f.name in ("config.json", SHIM) or f.suffix == ".safetensors" or f.name in _WEIGHT_FILES)]
     # What prepare copies, by the digest of its content (read once: the checks below and the record use it).
-    copies = {f.name: _digest(f) for f in files if f.is_file() and f.stat().st_size <= COPY_BYTES}
+    copies = {f.name: file_digest(f) for f in files if f.is_file() and f.stat().st_size <= COPY_BYTES}
     # An earlier prepare here, perhaps of another model: its links and its unchanged copies go (a link or file of
     # the user's own stays).
     earlier = read_config(out).get(SETTINGS_KEY) if (out / "config.json").is_file() else None
@@ -97,7 +92,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     def earlier_copy(path: Path) -> bool:
         """A copy prepare made, unchanged since: as recorded, or (a prepare cut short records none) as the source's."""
         known = {earlier_copies.get(path.name), copies.get(path.name)} - {None}
-        return bool(known) and path.is_file() and not path.is_symlink() and _digest(path) in known
+        return bool(known) and path.is_file() and not path.is_symlink() and file_digest(path) in known
 
     for f in files:
         mine = out / f.name
@@ -116,7 +111,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
                          "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
-                         "checkpoint_prefix": prefix or "", "copies": copies}
+                         "checkpoint_prefix": prefix or "", "copies": copies,
+                         "source_config": file_digest(source / "config.json")}
     (out / SHIM).write_text(SHIM_TEXT)
     for f in files:
         if f.name in copies:  # whole or not at all: a copy cut short would read as a file of the user's own

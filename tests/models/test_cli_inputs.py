@@ -104,6 +104,19 @@ def test_a_prepared_directory_whose_model_moved_is_named(adapter, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
 
 
+def test_a_prepared_directory_whose_model_was_replaced_is_named(adapter, tmp_path):
+    # Another release in the model's place (an FP8 one of an INT4 model's shapes) loaded through the prepared
+    # config.json: quantized to the old format without a word, or refused as that config.json's fault.
+    model_dir, _ = adapter
+    assert run(["prepare", str(model_dir), str(tmp_path / "prepared")]) == 0
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    with pytest.raises(ValueError, match=r"model/config.json changed since `kt-sft prepare` wrote .*prepare` again"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
+    assert run(["prepare", str(model_dir), str(tmp_path / "prepared")]) == 0
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
+
+
 def test_export_never_writes_over_an_existing_directory(adapter, tmp_path):
     model_dir, adapter_dir = adapter
     before = {p.name: p.read_bytes() for p in adapter_dir.iterdir()}
