@@ -6,6 +6,7 @@ dtype is not the engine's)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -70,6 +71,9 @@ class Checkpoint:
         index = self.dir / INDEX_NAME
         single = self.dir / "model.safetensors"
         self.from_index = not single.exists() and index.exists()
+        if single.is_symlink() and not single.exists():
+            raise FileNotFoundError(f"{single} is a link to {os.readlink(single)}, which does not exist (a Hugging Face "
+                                    "cache's blob deleted, or a download not finished); download the model again.")
         if single.exists():  # before the index, as transformers reads a directory that holds both
             with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}
@@ -98,6 +102,16 @@ class Checkpoint:
         except KeyError:
             raise ValueError(f"the checkpoint {self.dir} has no tensor {self.prefix + key}; it is incomplete or not the "
                              "one its config.json describes: download it again.") from None
+
+    def unindexed_shard(self, key: str) -> str | None:
+        """The shard that holds `key` where the index does not list it (a stale index), else None."""
+        if not self.from_index:
+            return None
+        for shard in sorted(set(self.shard_of.values())):
+            with open_safetensors(self.dir / shard) as f:
+                if self.prefix + key in f.keys():
+                    return shard
+        return None
 
     def not_in_shard(self, key: str) -> ValueError:
         return ValueError(f"{self.dir}'s index puts {self.prefix + key} in {self.shard_of[key]}, which does not hold "

@@ -144,14 +144,22 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                         plain = arch.expert_key(layer, e, p)
                         if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
                             raise _unquantized_expert(plain, fmt)
+                        if fmt == "bf16" and plain.removesuffix(".weight") + ".weight_packed" in ckpt.shard_of:
+                            raise ValueError(f"the checkpoint stores {plain} packed as INT4 (.weight_packed), but "
+                                             "config.json has no quantization_config, so it would be read as BF16; "
+                                             "restore the quantization_config the checkpoint was published with.")
+                        shard = ckpt.unindexed_shard(key)
+                        if shard is not None:
+                            raise ValueError(f"{ckpt.dir}'s index does not list {key}, which {shard} holds; the index "
+                                             "is stale or damaged: download it again.")
                         raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
                                          f"layout ({fmt} experts) implies; check that config.json belongs to these "
                                          "weights.")
+                    if ckpt.dtype(key) not in dtypes:  # first: another dtype packs other shapes (INT4 in bytes)
+                        raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
                     if ckpt.shape(key) != shape:
                         raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
                                          f"{list(shape)}; check that config.json belongs to these weights.")
-                    if ckpt.dtype(key) not in dtypes:
-                        raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
                 if fmt == "int4":
                     key = keys[2]
                     if ckpt.get(key).tolist() != list(want[p]):

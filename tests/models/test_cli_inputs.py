@@ -270,6 +270,30 @@ def test_an_expert_weight_that_is_not_finite_is_named_by_merge_and_load(adapter,
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True)
 
 
+def test_an_index_that_leaves_out_an_expert_key_its_shard_holds_is_named(adapter, tmp_path):
+    # The refusal blamed config.json, where the index is the stale file.
+    model_dir, _ = adapter
+    other = indexed_copy(model_dir, tmp_path, "model-00001-of-00001.safetensors")
+    index = json.loads((other / "model.safetensors.index.json").read_text())
+    key = "model.layers.0.mlp.experts.1.up_proj.weight"
+    del index["weight_map"][key]
+    (other / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"index does not list {re.escape(key)}, which model-00001-of-00001"):
+        run(["prepare", str(other), str(tmp_path / "out")])
+
+
+def test_a_broken_link_for_the_weights_is_named(adapter, tmp_path):
+    # A Hugging Face cache's model.safetensors is a link to a blob: one deleted or never finished was reported as a
+    # directory without weights.
+    model_dir, _ = adapter
+    other = tmp_path / "snapshot"
+    shutil.copytree(model_dir, other)
+    (other / "model.safetensors").unlink()
+    (other / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
+    with pytest.raises(FileNotFoundError, match="is a link to .*0123abcd, which does not exist"):
+        run(["prepare", str(other), str(tmp_path / "out")])
+
+
 def test_merge_writes_shards_that_sit_in_a_subdirectory(adapter, tmp_path):
     model_dir, adapter_dir = adapter
     other = indexed_copy(model_dir, tmp_path, "weights/model.safetensors")

@@ -205,6 +205,25 @@ def test_an_int4_weight_shape_that_is_not_whole_numbers_is_named(published, tmp_
         read_weight(Checkpoint(src), key.replace("weight_shape", "weight_packed"))
 
 
+def test_int4_codes_stored_in_another_integer_type_are_named_by_their_type(published, tmp_path):
+    # Checked for their shape first, they were refused as disagreeing with config.json.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "bytes", "int4", model_type="kimi_k2")
+    key = "model.layers.1.mlp.experts.3.gate_proj.weight_packed"
+    _rewrite(src, lambda state: state.__setitem__(key, state[key].view(torch.uint8).clone()))
+    with pytest.raises(ValueError, match=re.escape(key) + " is stored as U8, where int4 experts keep I32"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_int4_experts_without_their_quantization_config_are_refused(published, tmp_path):
+    # They were refused as missing the BF16 experts' keys, with config.json's layout to blame.
+    src = quantize_checkpoint(published["bf16"], tmp_path / "no_config", "int4", model_type="kimi_k2")
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"packed as INT4 \(.weight_packed\), but config.json has no quantization_config"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 def test_int4_scales_that_are_not_bf16_are_refused(published, tmp_path):
     # The engine keeps group scales in BF16: float16 or float32 ones would have been rounded without a word.
     from safetensors.torch import load_file, save_file
