@@ -68,7 +68,6 @@ def _apply_settings(path, settings: dict) -> None:
                  "these settings are the process's, so the models loaded before it in this process "
                  f"({', '.join(_loaded)}, which ran with threads={before['threads']}, kernels={before['kernels']}) "
                  "now run with them too; prepare the models with the same --threads and --kernels to avoid it.")
-    _loaded.append(str(path))
 
 
 class KTSFTForCausalLM:
@@ -106,6 +105,8 @@ class KTSFTForCausalLM:
                                   checkpoint_prefix=settings.get("checkpoint_prefix", ""))
         # The returned model is the stock class: drop the prepared directory's auto_map, or LLaMA-Factory registers
         # the stock class for auto-class saving and save_pretrained tries to copy transformers' own modeling file.
+        if str(pretrained_model_name_or_path) not in _loaded:
+            _loaded.append(str(pretrained_model_name_or_path))
         if hasattr(model.config, "auto_map"):
             del model.config.auto_map
         # What from_pretrained reads beside config.json (the prepared directory links it): the checkpoint's eos ids

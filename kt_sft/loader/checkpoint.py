@@ -23,13 +23,13 @@ def open_safetensors(path: Path):
     except SafetensorError as e:
         raise ValueError(f"{path} is not a readable safetensors file ({e}); it is damaged or incomplete: download or "
                          "save it again.") from None
-    except OSError:  # safetensors' own words are "No such file or directory" whatever the cause, or an errno's
+    except OSError as e:  # safetensors' own words are "No such file or directory" whatever the cause, or an errno's
         if path.is_dir():
-            raise ValueError(f"{path} is a directory, where its checkpoint's index names a shard file; the index is "
-                             "damaged: download it again.") from None
+            raise ValueError(f"{path} is a directory, not a safetensors file; put the model's weights files in its "
+                             "place (download it again).") from None
         if path.exists():
-            raise ValueError(f"{path} exists but could not be opened for reading: check that this user may read it "
-                             "(its permissions), and download it again if it is damaged.") from None
+            raise ValueError(f"{path} exists but could not be opened for reading ({e}): check that this user may "
+                             "read it (its permissions), and download it again if it is damaged.") from None
         raise
 
 
@@ -71,9 +71,11 @@ class Checkpoint:
         index = self.dir / INDEX_NAME
         single = self.dir / "model.safetensors"
         self.from_index = not single.exists() and index.exists()
-        if single.is_symlink() and not single.exists():
-            raise FileNotFoundError(f"{single} is a link to {os.readlink(single)}, which does not exist (a Hugging Face "
-                                    "cache's blob deleted, or a download not finished); download the model again.")
+        for path in (single, index):
+            if path.is_symlink() and not path.exists():
+                raise FileNotFoundError(f"{path} is a link to {os.readlink(path)}, which does not exist (a Hugging "
+                                        "Face cache's blob deleted, or a download not finished); download the model "
+                                        "again.")
         if single.exists():  # before the index, as transformers reads a directory that holds both
             with open_safetensors(single) as f:
                 self.shard_of = {k: single.name for k in f.keys()}

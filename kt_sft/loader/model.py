@@ -83,13 +83,16 @@ def _check_group_routing(config, E: int, top_k) -> None:
     experts in them: sizes that do not fit failed in the router's reshape, or at some token counts routed within
     groups that straddle tokens."""
     n_group, topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
-    if not (isinstance(n_group, int) and isinstance(topk_group, int) and isinstance(top_k, int)):
+    if not (isinstance(n_group, int) and isinstance(topk_group, int) and isinstance(top_k, int)) or \
+            getattr(config, "topk_method", None) == "greedy":  # DeepSeek-V2's greedy routing reads no groups
         return
-    if n_group < 1 or E % n_group or not 1 <= topk_group <= n_group or top_k > topk_group * (E // n_group):
+    # A group scores as its two best experts (transformers' routers), so a group holds two or more.
+    if n_group < 1 or E % n_group or E // n_group < 2 or not 1 <= topk_group <= n_group or \
+            top_k > topk_group * (E // n_group):
         raise ValueError(f"config.json's group routing does not fit its {E} experts (n_group = {n_group}, topk_group = "
-                         f"{topk_group}, num_experts_per_tok = {top_k}): n_group must divide the experts, topk_group "
-                         "be 1 to n_group and num_experts_per_tok at most topk_group times the experts per group; "
-                         "restore the published config.json.")
+                         f"{topk_group}, num_experts_per_tok = {top_k}): n_group must divide the experts into groups "
+                         "of two or more, topk_group be 1 to n_group and num_experts_per_tok at most topk_group times "
+                         "the experts per group; restore the published config.json.")
 
 
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:

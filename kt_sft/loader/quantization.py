@@ -95,9 +95,9 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
         packed, stored = read(key), ckpt.get(base + ".weight_shape")
         shape = stored.tolist()
         if stored.is_floating_point() or len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0]:
-            raise ValueError(f"{base}.weight_shape says {shape} ({stored.dtype}), not the whole rows and columns of "
-                             f"{key}'s {packed.shape[0]} rows; the checkpoint is damaged or was written wrongly: "
-                             "download it again.")
+            raise ValueError(f"{base}.weight_shape is {shape} ({stored.dtype}), where {key} holds {packed.shape[0]} "
+                             "rows: it must be two whole numbers, [rows, columns]; the checkpoint is damaged or was "
+                             "written wrongly: download it again.")
         return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
     t = read(key)
     scale_key = key.removesuffix(".weight") + ".weight_scale_inv"

@@ -95,6 +95,10 @@ def canonical_model_type(model_type: str) -> str:
 def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
+        if model_type in _ALIASES or model_type in _COMPOSITES:  # a model built by its own remote code
+            raise ValueError(f"this {model_type} model was built by its own remote code, whose modules kt_sft does not "
+                             f"replace; run `kt-sft prepare` on its directory, which serves it as "
+                             f"{_ALIASES.get(model_type, 'its text model')} with stock transformers.")
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     act = getattr(config, "hidden_act", "silu")

@@ -437,13 +437,18 @@ class KTExperts(LoadsInPlace, nn.Module):
         """Every adapter's A and B matrices."""
         return [p for table in (self.lora_A, self.lora_B) for params in table.values() for p in params.values()]
 
-    def check_mergeable(self) -> None:
-        """Refuses merging into FP8/INT4 experts, which would requantize them."""
+    def check_mergeable(self, adapter: str | None = None) -> None:
+        """Refuses merging into FP8/INT4 experts, which would requantize them, and merging an adapter whose LoRA holds
+        NaN/Inf (a diverged training), which would put them into the weights."""
         if self.expert_format != "bf16":
             raise ValueError(f"merging LoRA into {self.expert_format.upper()} experts would requantize them; keep the "
                              "adapter separate (kt_sft serves it unmerged), write a merged checkpoint in the published "
                              "format with `kt-sft merge`, or prepare the model with --expert-format bf16 and merge "
                              "into its BF16 experts.")
+        if adapter is not None and not all(torch.isfinite(t).all() for t in self.lora_params(adapter) if t is not None):
+            raise ValueError(f"adapter {adapter!r} holds NaN or Inf in its LoRA on the routed experts (its training "
+                             "diverged), which merging would put into the weights; nothing was merged: merge an "
+                             "earlier checkpoint of it.")
 
     def merge_lora(self, adapter: str, sign: float = 1.0, check_finite: bool = False) -> None:
         """Adds (sign +1) or takes back (sign -1) the adapter's update scaling·B·A into the BF16 expert weights,
@@ -652,8 +657,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         return work
 
     # Outside any compiled graph (torch.compile, transformers' torch_compile), with all it calls (KTExpertsLinear's
-    # forward too): the engine runs on the CPU anyway, and traced, this Python had split the model into ~20 graphs,
-    # guarded on timer values and drawn dropout seeds from the compiler's RNG.
+    # forward, which overrides it, is disabled alike): the engine runs on the CPU anyway, and traced, this Python had
+    # split the model into ~20 graphs, guarded on timer values and drawn dropout seeds from the compiler's RNG.
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,8 @@ Python's shutdown stops daemon threads as they next take the GIL; torch releases
 deallocation, a frame that may not be unwound, so the stopped thread ends the process with "terminate called
 without an active exception" (SIGABRT). atexit callbacks run before that stop, so joining such threads there,
 briefly, lets them finish. Only threads that called the experts are waited for, at most JOIN_SECONDS in all. A
-thread still generating or training then (a generation cut off by Ctrl-C, a training thread) would be stopped inside
-torch too: from then on its next call of the experts raises SystemExit, which ends it in Python, between layers."""
+thread still generating or training (a generation cut off by Ctrl-C, a training thread) would be stopped inside torch
+too: from the wait on, its next call of the experts raises SystemExit, which ends it in Python, between layers."""
 from __future__ import annotations
 
 import atexit
@@ -29,7 +29,8 @@ def note_caller() -> None:
     if thread.daemon and not isinstance(thread, threading._DummyThread):
         if _exiting:
             raise SystemExit
-        _callers.add(thread)
+        if thread not in _callers:
+            _callers.add(thread)
 
 
 def _join_callers() -> None:

@@ -65,7 +65,7 @@ def add_engine_seconds(phase: str, spent: float) -> None:
 class uncounted:  # noqa: N801 - used as `with uncounted():`
     """Inside, this thread's timed phases add nothing: work run beside an engine call whose wait adds its whole
     span (a transfer or GPU wait there overlaps the engine's time and would count twice). Other threads' spans
-    still count (it had restored the totals on leaving, taking theirs out too)."""
+    still count."""
     __slots__ = ()
 
     def __enter__(self):

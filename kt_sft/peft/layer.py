@@ -237,9 +237,10 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         return KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
 
 
-def _refusing_merges_into_quantized_experts(method, merges):
-    """LoraModel's `method`, first refusing (before any module merges) to merge into FP8/INT4 experts that hold an
-    adapter the call merges: those named, else the active ones, as each layer's merge picks them."""
+def _refusing_merges_the_experts_cannot_take(method, merges):
+    """LoraModel's `method`, first refusing (before any module merges) what KTExperts.check_mergeable refuses: FP8/INT4
+    experts, or a non-finite LoRA, of an adapter the call merges (those named, else the active ones, as each layer's
+    merge picks them)."""
     signature = inspect.signature(method)
 
     @functools.wraps(method)
@@ -249,15 +250,16 @@ def _refusing_merges_into_quantized_experts(method, merges):
         if merges(call.arguments):
             names = call.arguments.get("adapter_names")
             for module in self.model.modules():
-                if isinstance(module, KTExpertsLinear) and \
-                        any(a in module.lora_A for a in (module.active_adapters if names is None else names)):
-                    module.check_mergeable()
+                if isinstance(module, KTExpertsLinear):
+                    for adapter in module.active_adapters if names is None else names:
+                        if adapter in module.lora_A:
+                            module.check_mergeable(adapter)
         return method(self, *args, **kwargs)
     return checked
 
 
-LoraModel.merge_adapter = _refusing_merges_into_quantized_experts(LoraModel.merge_adapter, lambda args: True)
-LoraModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts(
+LoraModel.merge_adapter = _refusing_merges_the_experts_cannot_take(LoraModel.merge_adapter, lambda args: True)
+LoraModel._unload_and_optionally_merge = _refusing_merges_the_experts_cannot_take(
     LoraModel._unload_and_optionally_merge, lambda args: args.get("merge", True))
 
 
@@ -265,18 +267,23 @@ def _unloading_the_experts_first(unload):
     """MixedModel's `_unload_and_optionally_merge` (PeftMixedModel's merge_and_unload and unload), which puts each
     tuner layer's base layer in its place: the experts' is the holder of their weights, which does not run. The
     experts are unloaded first, as LoraModel's own unloading does it (unload_and_optionally_merge_module)."""
+    signature = inspect.signature(unload)
+
     @functools.wraps(unload)
-    def unloading(self, merge=True, progressbar=False, safe_merge=False, adapter_names=None):
+    def unloading(self, *args, **kwargs):
+        call = signature.bind(self, *args, **kwargs)
+        call.apply_defaults()
+        merge, safe_merge, names = (call.arguments[k] for k in ("merge", "safe_merge", "adapter_names"))
         for name, module in list(self.model.named_modules()):
             if isinstance(module, KTExpertsLinear) and "base_layer" in module._modules:
                 parent, _, child = name.rpartition(".")
                 self.model.get_submodule(parent).register_module(
-                    child, module.unload_and_optionally_merge_module(merge, safe_merge, adapter_names))
-        return unload(self, merge=merge, progressbar=progressbar, safe_merge=safe_merge, adapter_names=adapter_names)
+                    child, module.unload_and_optionally_merge_module(merge, safe_merge, names))
+        return unload(self, *args, **kwargs)
     return unloading
 
 
-MixedModel._unload_and_optionally_merge = _refusing_merges_into_quantized_experts(
+MixedModel._unload_and_optionally_merge = _refusing_merges_the_experts_cannot_take(
     _unloading_the_experts_first(MixedModel._unload_and_optionally_merge), lambda args: args.get("merge", True))
 
 
@@ -300,12 +307,13 @@ def _refusing_deletes_of_merged_adapters(delete_adapter):
 
 def _checking_mixed_batches(enable_hooks):
     """LoraModel's `_enable_peft_forward_hooks`, asking each expert layer first for the adapter of a mixed batch
-    (adapter_names=...; KTExpertsLinear.batch_adapter): its refusal inside the forward came after PEFT registered the
-    hooks, which PEFT removes only when the forward returns, so every later call of the model was refused too."""
+    (adapter_names=...; KTExpertsLinear.batch_adapter): PEFT removes its hooks only when the forward returns, so a
+    refusal inside the forward would leave them on the model and refuse every later call."""
     @functools.wraps(enable_hooks)
     def checked(self, *args, **kwargs):
         names = kwargs.get("adapter_names")
-        if names is not None:
+        # PEFT's own refusals first (training mode, unknown names), which it makes before registering hooks
+        if names is not None and not self.training and set(names) <= {*self.peft_config, "__base__"}:
             for module in self.model.modules():
                 if isinstance(module, KTExpertsLinear) and not module.disable_adapters:
                     module.batch_adapter(names)
@@ -316,7 +324,7 @@ def _checking_mixed_batches(enable_hooks):
 def _refusing_weighted_experts(add_weighted_adapter):
     """LoraModel's `add_weighted_adapter`, refusing adapters with LoRA on the experts before PEFT makes the new
     adapter: PEFT's combination reads each layer's LoRA as one Linear's, which the experts' stacked LoRA refuses only
-    after the new adapter is in place (a retry then found the name taken and served it half made)."""
+    after the new adapter is in place, half made (and a retry would find its name taken and return)."""
     @functools.wraps(add_weighted_adapter)
     def checked(self, adapters, *args, **kwargs):
         if any(isinstance(m, KTExpertsLinear) and any(a in m.lora_A for a in adapters) for m in self.model.modules()):

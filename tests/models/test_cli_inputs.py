@@ -250,7 +250,7 @@ def test_a_shard_that_exists_but_cannot_be_opened_is_named(adapter, tmp_path, mo
         raise OSError(f"No such file or directory: {path}")
     monkeypatch.setattr(checkpoint, "safe_open", refused)
     model_dir, _ = adapter
-    with pytest.raises(ValueError, match="model.safetensors exists but could not be opened for reading: check that"):
+    with pytest.raises(ValueError, match=r"model.safetensors exists but could not be opened for reading \(No such file.*\): check that"):
         run(["prepare", str(model_dir), str(tmp_path / "out")])
 
 
@@ -292,6 +292,11 @@ def test_a_broken_link_for_the_weights_is_named(adapter, tmp_path):
     (other / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
     with pytest.raises(FileNotFoundError, match="is a link to .*0123abcd, which does not exist"):
         run(["prepare", str(other), str(tmp_path / "out")])
+    sharded = indexed_copy(model_dir, tmp_path, "model-00001-of-00001.safetensors")
+    (sharded / "model.safetensors.index.json").unlink()
+    (sharded / "model.safetensors.index.json").symlink_to(tmp_path / "blobs" / "4567ef")
+    with pytest.raises(FileNotFoundError, match="index.json is a link to .*4567ef, which does not exist"):
+        run(["prepare", str(sharded), str(tmp_path / "out")])
 
 
 def test_merge_writes_shards_that_sit_in_a_subdirectory(adapter, tmp_path):

@@ -329,6 +329,31 @@ def test_a_mixed_batch_the_experts_cannot_serve_is_refused_and_leaves_the_model_
 
 
 @torch.no_grad()
+def test_a_mixed_batch_naming_an_unknown_adapter_gets_peft_s_own_refusal():
+    ids = torch.randint(0, 96, (3, 10), generator=torch.Generator().manual_seed(4))
+    kt = two_adapters()
+    with pytest.raises(ValueError, match="non-existing adapter"):
+        kt(ids, adapter_names=["xa", "typo", "xa"])
+
+
+def test_merging_an_adapter_whose_expert_lora_is_not_finite_is_refused_before_any_layer_merges():
+    # The engine's check of the merged weights refused it halfway through merge_and_unload, blaming the checkpoint.
+    ids = batch(3)["input_ids"]
+    kt = get_peft_model(kt_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "experts"],
+                                               init_lora_weights=False))
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    with torch.no_grad():
+        before = kt(ids).logits
+        experts[-1].lora_B["default"]["gate"][1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match="adapter 'default' holds NaN or Inf in its LoRA on the routed experts"):
+        kt.merge_and_unload()
+    with torch.no_grad():
+        experts[-1].lora_B["default"]["gate"][1, 0, 0] = 0.0
+        assert not any(m.merged for m in experts) and kt(ids).logits.isfinite().all()
+        assert rel_l2(kt(ids).logits, before) <= 0.1  # only one LoRA entry changed
+
+
+@torch.no_grad()
 def test_a_mixed_batch_over_merged_experts_is_refused():
     # With the adapter on the experts alone (no PEFT layer to refuse it), its LoRA ran on top of its merged update.
     ids = batch(3)["input_ids"]
@@ -460,6 +485,10 @@ def test_unsupported_model_type_is_a_clear_error():
     model = torch.nn.Linear(2, 2)
     model.config = type("Config", (), {"model_type": "gpt2"})()
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        use_cpu_experts(model)
+    # Kimi-K2 built by its own remote code: named as supported in the refusal of it, before.
+    model.config = type("Config", (), {"model_type": "kimi_k2"})()
+    with pytest.raises(ValueError, match="this kimi_k2 model was built by its own remote code.*kt-sft prepare"):
         use_cpu_experts(model)
 
 

@@ -367,8 +367,10 @@ def test_layers_past_the_configs_layers_that_no_prediction_layer_explains_are_re
         run(["prepare", str(src), str(tmp_path / "prepared")])
 
 
-@pytest.mark.parametrize("routing", [dict(n_group=3), dict(topk_group=4), dict(n_group=4, num_experts_per_tok=3)],
-                         ids=["groups_split_no_experts_evenly", "more_groups_picked_than_there_are", "top_k_past_groups"])
+@pytest.mark.parametrize("routing", [dict(n_group=3), dict(topk_group=4), dict(n_group=4, num_experts_per_tok=3),
+                                     dict(n_group=8, topk_group=2)],
+                         ids=["groups_split_no_experts_evenly", "more_groups_picked_than_there_are", "top_k_past_groups",
+                              "groups_of_one"])
 def test_group_routing_that_does_not_fit_the_experts_is_refused(saved, tmp_path, routing):
     # Accepted, then a failure in the router's reshape or, at some token counts, routing within groups that straddle
     # tokens.

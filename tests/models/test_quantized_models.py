@@ -201,7 +201,7 @@ def test_an_int4_weight_shape_that_is_not_whole_numbers_is_named(published, tmp_
     src = quantize_checkpoint(published["bf16"], tmp_path / "float_shape", "int4", model_type="kimi_k2")
     key = "model.layers.1.mlp.experts.3.gate_proj.weight_shape"
     _rewrite(src, lambda state: state.__setitem__(key, state[key].float()))
-    with pytest.raises(ValueError, match=re.escape(key) + r" says \[.*\] \(torch.float32\), not the whole rows"):
+    with pytest.raises(ValueError, match=re.escape(key) + r" is \[.*\] \(torch.float32\), where .* must be two whole numbers"):
         read_weight(Checkpoint(src), key.replace("weight_shape", "weight_packed"))
 
 
