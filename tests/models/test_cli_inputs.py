@@ -250,7 +250,8 @@ def test_a_shard_that_exists_but_cannot_be_opened_is_named(adapter, tmp_path, mo
         raise OSError(f"No such file or directory: {path}")
     monkeypatch.setattr(checkpoint, "safe_open", refused)
     model_dir, _ = adapter
-    with pytest.raises(ValueError, match=r"model.safetensors exists but could not be opened for reading \(No such file.*\): check that"):
+    with pytest.raises(ValueError, match=r"model.safetensors exists but could not be opened for reading \(No such "
+                                         r"file.*\): check that"):
         run(["prepare", str(model_dir), str(tmp_path / "out")])
 
 

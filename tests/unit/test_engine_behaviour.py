@@ -931,6 +931,14 @@ def test_nested_engine_timers_are_exclusive(monkeypatch):
     reset_engine_seconds()
 
 
+def in_two_threads(first, second):
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_engine_timers_of_two_threads_keep_to_their_own_phases():
     # One stack of open phases for the process: another thread's engine span was taken out of this thread's open
     # transfer (which went negative).
@@ -947,11 +955,7 @@ def test_engine_timers_of_two_threads_keep_to_their_own_phases():
         timing.add_engine_seconds("forward", 5.0)
         added.set()
 
-    threads = [threading.Thread(target=f) for f in (transfer, engine_result)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(transfer, engine_result)
     spent = engine_seconds()
     assert spent["forward"] == 5.0 and 0 <= spent["transfer"] < 5.0, spent
     reset_engine_seconds()
@@ -974,11 +978,7 @@ def test_uncounted_leaves_other_threads_spans_counted():
         timing.add_engine_seconds("forward", 5.0)
         added.set()
 
-    threads = [threading.Thread(target=f) for f in (beside, other)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_two_threads(beside, other)
     spent = engine_seconds()
     assert spent["forward"] == 5.0 and spent["transfer"] == 0.0, spent
     reset_engine_seconds()
