@@ -201,7 +201,8 @@ def test_an_int4_weight_shape_that_is_not_whole_numbers_is_named(published, tmp_
     src = quantize_checkpoint(published["bf16"], tmp_path / "float_shape", "int4", model_type="kimi_k2")
     key = "model.layers.1.mlp.experts.3.gate_proj.weight_shape"
     _rewrite(src, lambda state: state.__setitem__(key, state[key].float()))
-    with pytest.raises(ValueError, match=re.escape(key) + r" is \[.*\] \(torch.float32\), where .* must be two whole numbers"):
+    message = re.escape(key) + r" is \[.*\] \(torch.float32\), where .* must be two whole numbers"
+    with pytest.raises(ValueError, match=message):
         read_weight(Checkpoint(src), key.replace("weight_shape", "weight_packed"))
 
 
@@ -220,7 +221,8 @@ def test_int4_experts_without_their_quantization_config_are_refused(published, t
     config = json.loads((src / "config.json").read_text())
     del config["quantization_config"]
     (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"packed as INT4 \(.weight_packed\), but config.json has no quantization_config"):
+    with pytest.raises(ValueError, match=r"packed as INT4 \(.weight_packed\), but config.json has no "
+                                         "quantization_config"):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
