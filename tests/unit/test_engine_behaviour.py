@@ -931,57 +931,50 @@ def test_nested_engine_timers_are_exclusive(monkeypatch):
     reset_engine_seconds()
 
 
-def in_two_threads(first, second):
-    threads = [threading.Thread(target=f) for f in (first, second)]
+def beside_a_forward_span(first) -> dict:
+    """engine_seconds() after first(ready, added) ran in a thread beside another that adds a 5 s forward span once
+    first sets ready, then sets added."""
+    reset_engine_seconds()
+    ready, added = threading.Event(), threading.Event()
+
+    def other():
+        ready.wait(10)
+        timing.add_engine_seconds("forward", 5.0)
+        added.set()
+
+    threads = [threading.Thread(target=first, args=(ready, added)), threading.Thread(target=other)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    spent = engine_seconds()
+    reset_engine_seconds()
+    return spent
 
 
 def test_engine_timers_of_two_threads_keep_to_their_own_phases():
     # One stack of open phases for the process: another thread's engine span was taken out of this thread's open
     # transfer (which went negative).
-    reset_engine_seconds()
-    opened, added = threading.Event(), threading.Event()
-
-    def transfer():
+    def transfer(ready, added):
         with engine_timer("transfer"):
-            opened.set()
+            ready.set()
             added.wait(10)
 
-    def engine_result():
-        opened.wait(10)
-        timing.add_engine_seconds("forward", 5.0)
-        added.set()
-
-    in_two_threads(transfer, engine_result)
-    spent = engine_seconds()
+    spent = beside_a_forward_span(transfer)
     assert spent["forward"] == 5.0 and 0 <= spent["transfer"] < 5.0, spent
-    reset_engine_seconds()
 
 
 def test_uncounted_leaves_other_threads_spans_counted():
     # It restored the totals on leaving, taking out what other threads (an inference thread beside training)
     # had added meanwhile.
-    reset_engine_seconds()
-    inside, added = threading.Event(), threading.Event()
-
-    def beside():
+    def beside(ready, added):
         with timing.uncounted():
-            inside.set()
+            ready.set()
             added.wait(10)
             timing.add_engine_seconds("transfer", 3.0)  # this thread's, uncounted
 
-    def other():
-        inside.wait(10)
-        timing.add_engine_seconds("forward", 5.0)
-        added.set()
-
-    in_two_threads(beside, other)
-    spent = engine_seconds()
+    spent = beside_a_forward_span(beside)
     assert spent["forward"] == 5.0 and spent["transfer"] == 0.0, spent
-    reset_engine_seconds()
 
 
 def test_doctor_reports_what_this_machine_runs(capsys, monkeypatch):
