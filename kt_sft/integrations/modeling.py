@@ -55,14 +55,19 @@ def _single_device(device_map):
 _loaded: list[str] = []
 
 
+def _engine_settings() -> dict:
+    caps = _C.capabilities()
+    return {"threads": caps["threads"], "kernels": caps["kernels"]}
+
+
 def _apply_settings(path, settings: dict) -> None:
     """The engine threads and kernel set that prepare recorded, applied; a change of those that models loaded before
     run with is warned about (it changes their speed, and their results within the kernels' rounding)."""
     threads, kernels = settings.get("threads") or None, settings.get("kernels") or None
     if threads or kernels:
-        before = {k: _C.capabilities()[k] for k in ("threads", "kernels")}
+        before = _engine_settings()
         configure(threads=threads, kernels=kernels)
-        after = {k: _C.capabilities()[k] for k in ("threads", "kernels")}
+        after = _engine_settings()
         if _loaded and after != before:
             warn(f"kt_sft: {path} was prepared with engine threads={after['threads']}, kernels={after['kernels']}; "
                  "these settings are the process's, so the models loaded before it in this process "

@@ -32,7 +32,6 @@ transfers: in bench_model at 16 layers the rest of the step grew by about what t
 """
 from __future__ import annotations
 
-
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary

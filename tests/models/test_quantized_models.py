@@ -165,14 +165,18 @@ def _keys(src):
         return list(f.keys())
 
 
-def test_fp8_experts_without_their_quantization_config_are_refused(published, tmp_path):
-    # Read as BF16, the codes would have become the weights without their scales.
-    src = quantize_checkpoint(published["bf16"], tmp_path / "no_qc", "fp8")
-    cfg = json.loads((src / "config.json").read_text())
-    del cfg["quantization_config"]
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight is stored as F8_E4M3, but config.json has no "
-                                         "quantization_config"):
+@pytest.mark.parametrize("fmt, message", [
+    # Read as BF16, FP8 codes would have become the weights without their scales.
+    ("fp8", r"experts\.0\.gate_proj\.weight is stored as F8_E4M3, but config.json has no quantization_config"),
+    # INT4 experts were refused as missing the BF16 experts' keys, with config.json's layout to blame.
+    ("int4", r"packed as INT4 \(.weight_packed\), but config.json has no quantization_config"),
+])
+def test_quantized_experts_without_their_quantization_config_are_refused(published, tmp_path, fmt, message):
+    src = quantize_checkpoint(published["bf16"], tmp_path / "no_qc", fmt, model_type="kimi_k2" if fmt == "int4" else None)
+    config = json.loads((src / "config.json").read_text())
+    del config["quantization_config"]
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
@@ -212,17 +216,6 @@ def test_int4_codes_stored_in_another_integer_type_are_named_by_their_type(publi
     key = "model.layers.1.mlp.experts.3.gate_proj.weight_packed"
     _rewrite(src, lambda state: state.__setitem__(key, state[key].view(torch.uint8).clone()))
     with pytest.raises(ValueError, match=re.escape(key) + " is stored as U8, where int4 experts keep I32"):
-        run(["prepare", str(src), str(tmp_path / "out")])
-
-
-def test_int4_experts_without_their_quantization_config_are_refused(published, tmp_path):
-    # They were refused as missing the BF16 experts' keys, with config.json's layout to blame.
-    src = quantize_checkpoint(published["bf16"], tmp_path / "no_config", "int4", model_type="kimi_k2")
-    config = json.loads((src / "config.json").read_text())
-    del config["quantization_config"]
-    (src / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"packed as INT4 \(.weight_packed\), but config.json has no "
-                                         "quantization_config"):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
