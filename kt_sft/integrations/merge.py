@@ -31,11 +31,12 @@ import torch
 
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
-from ..loader.quantization import checkpoint_format, quantization_config_of, read_weight, weight_keys
+from ..loader.quantization import read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on,
                      prepared_settings, read_config, require_new_dir, resolved, text_config, written_beside)
+from .prepare import checked_source
 
 # Files of weights, left out of the merged directory beside the shards it writes (a repository's other copies of
 # the weights, e.g. `consolidated.*.pth`, would be unmerged).
@@ -255,7 +256,7 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     """Writes out_dir: model_dir's published checkpoint with the adapter merged (module docstring). progress(done,
     total, shard) is called after each shard is written (a large model's merge takes hours)."""
     source, prefix, model = source_of(Path(model_dir))
-    checkpoint_format(quantization_config_of(read_config(source)))  # what the loader refuses (asymmetric INT4, ...)
+    checked_source(source)  # what prepare refuses (F64 scales, shapes config.json does not imply, ...) is not merged
     out_dir = resolved(out_dir)  # "." has no name to put the temporary directory beside it under
     require_new_dir(out_dir, "the merged model")
     if out_dir == resolved(source):

@@ -33,6 +33,33 @@ COPY_BYTES = 64 << 20  # tokenizers and templates are a few MB at most
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
+def checked_source(source: Path) -> tuple[dict, str, str]:
+    """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the experts' published
+    format, the weight-key prefix of its text model), after every check of config.json and the shards' headers
+    that the load makes: the model a prepared directory holds is its text model, with kt_sft's own model_type and
+    no quantization_config (the loader reads quantized weights itself, so to transformers and LLaMA-Factory it is
+    not a quantized model) or remote code."""
+    raw = read_config(source)
+    published_type = raw.get("model_type")
+    fmt = checkpoint_format(quantization_config_of(raw))
+    prefix = composite_prefix(published_type) or ""
+    raw = dict(text_config(raw, source))
+    raw.pop("quantization_config", None)
+    raw["model_type"] = canonical_model_type(raw.get("model_type"))
+    raw.pop("auto_map", None)
+    try:
+        config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
+    except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types
+        raise ValueError(f"{source}/config.json is not a valid {raw['model_type']} configuration "
+                         f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
+    if config is None:
+        raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
+                         "configuration).")
+    architecture_of(config)
+    check_checkpoint(Checkpoint(source, prefix), config, fmt)
+    return raw, fmt, prefix
+
+
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
             expert_format: str | None = None) -> Path:
     """expert_format: 'bf16', 'fp8' or 'int4' for the routed experts in RAM (default: the checkpoint's own)."""
@@ -51,26 +78,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise ValueError(f"--kernels {kernels!r} is not one of {', '.join(KERNEL_SETS)}.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
-    raw = read_config(source)
-    published_type = raw.get("model_type")
-    # The loader reads quantized checkpoints itself (experts kept quantized, other weights dequantized), so the
-    # prepared model is not a quantized model to transformers or LLaMA-Factory.
-    fmt = checkpoint_format(quantization_config_of(raw))
-    prefix = composite_prefix(published_type)
-    raw = dict(text_config(raw, source))  # of a composite, the prepared model is its text model
-    raw.pop("quantization_config", None)
-    raw["model_type"] = canonical_model_type(raw.get("model_type"))
-    raw.pop("auto_map", None)  # the published remote code is replaced by kt_sft's shim below
-    try:
-        config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
-    except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types
-        raise ValueError(f"{source}/config.json is not a valid {raw['model_type']} configuration "
-                         f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
-    if config is None:
-        raise ValueError(f"model_type {published_type!r} is not supported by kt_sft (transformers has no such "
-                         "configuration).")
-    architecture_of(config)
-    check_checkpoint(Checkpoint(source, prefix or ""), config, fmt)
+    raw, fmt, prefix = checked_source(source)
     if not any(f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" for f in source.iterdir()):
         raise FileNotFoundError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); LLaMA-Factory reads "
                                 "it from the prepared directory, and without one transformers makes a tokenizer of "
@@ -109,9 +117,9 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
             old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
-    raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type, "threads": threads,
-                         "kernels": kernels, "source_format": fmt, "expert_format": expert_format or fmt,
-                         "checkpoint_prefix": prefix or "", "copies": copies,
+    raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": read_config(source).get("model_type"),
+                         "threads": threads, "kernels": kernels, "source_format": fmt,
+                         "expert_format": expert_format or fmt, "checkpoint_prefix": prefix, "copies": copies,
                          "source_config": file_digest(source / "config.json")}
     (out / SHIM).write_text(SHIM_TEXT)
     for f in files:

@@ -25,7 +25,7 @@ from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
 from .quantization import (COMPANION_SUFFIXES, checkpoint_format, quantization_config_of, read_weight,
-                           stored_shapes, weight_keys)
+                           stored_shapes, stored_weight_shape, weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -76,6 +76,10 @@ def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...])
                           "published with.")
     return ValueError(f"{key} is stored as {dtype}, where {fmt} experts keep {' or '.join(dtypes)}; check that "
                       "config.json's quantization_config belongs to these weights.")
+
+
+def _first_of(keys: list[str]) -> str:
+    return f"{keys[0]}{f' and {len(keys) - 1} more' if len(keys) > 1 else ''}"
 
 
 def _check_group_routing(config, E: int, top_k) -> None:
@@ -173,10 +177,49 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         prefix = arch.experts_prefix(layer)
         other = sorted(k for k in ckpt.keys() if k.startswith(prefix) and k not in expected)
         if other:
-            raise ValueError(f"the checkpoint has {other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''} "
+            raise ValueError(f"the checkpoint has {_first_of(other)} "
                              f"beside layer {layer}'s {fmt} experts, which kt_sft does not read ({fmt} experts are "
                              f"{', '.join(k.rsplit('.', 1)[1] for k in weight_keys(fmt, 'x.weight'))} only); check "
                              "that the checkpoint and its quantization_config belong together.")
+    _check_other_weights(ckpt, skeleton, config, arch, experts)
+
+
+def other_weight_keys(ckpt: Checkpoint, config, arch, layers) -> list[str]:
+    """The checkpoint keys the loader reads into the model itself: all but the routed experts of `layers`, the
+    companions of quantized weights (read with them) and the multi-token-prediction layers."""
+    prefixes = tuple(arch.experts_prefix(layer) for layer in layers)
+    return [k for k in ckpt.keys()
+            if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES) or prediction_layer(k, config))]
+
+
+def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
+    """The weights outside the routed experts, from the shard headers: each is a weight of the model config.json
+    describes, with its shape, and the model's every parameter is in the checkpoint (or tied to one that is). The
+    load had found these only after reading every such weight (~34 GB at DeepSeek-V3), prepare not at all."""
+    targets = {**dict(skeleton.named_parameters()), **dict(skeleton.named_buffers())}
+    found, unexpected = set(), []
+    for key in sorted(other_weight_keys(ckpt, config, arch, [layer for _, layer, _ in experts])):
+        weight_key, shape = stored_weight_shape(ckpt, key)
+        name = arch.module_key(weight_key)
+        if name not in targets:
+            unexpected.append(key)
+        elif shape != tuple(targets[name].shape):
+            raise ValueError(f"{key} has shape {list(shape)} but config.json implies {list(targets[name].shape)}; "
+                             "check that config.json belongs to these weights.")
+        found.add(name)
+    if unexpected:
+        raise ValueError(f"the checkpoint has {_first_of(unexpected)}, which no weight of the {config.model_type} "
+                         "model that config.json describes matches; check that config.json belongs to these weights "
+                         "(its layer count, its dense layers such as mlp_only_layers or first_k_dense_replace).")
+    tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    tied.update({source: target for target, source in tied.items()})  # either side of a tie may be stored
+    in_experts = tuple(f"{name}." for name, _, _ in experts)
+    missing = [n for n, _ in skeleton.named_parameters() if not n.startswith(in_experts) and n not in found
+               and tied.get(n) not in found]
+    if missing:
+        raise ValueError(f"the checkpoint lacks {_first_of(missing)}, which the {config.model_type} model that "
+                         "config.json describes needs; download the missing shards again, or use the config.json that "
+                         "came with these weights.")
 
 
 def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
@@ -295,26 +338,18 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = experts_modules(model, arch)
-    expert_prefixes = tuple(arch.experts_prefix(layer) for _, layer, _ in experts)
 
     # Each tensor takes the dtype its parameter or buffer has in the model, or float32 where from_pretrained keeps
-    # it so (DeepSeek-V3's routing bias: in BF16 it had routed 1-3% of tokens to other experts).
+    # it so (DeepSeek-V3's routing bias: in BF16 it had routed 1-3% of tokens to other experts). check_checkpoint
+    # has matched every key to a parameter or buffer of this shape.
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     float32 = kept_in_float32(model, dtype)
     state = {}
-    for key in ckpt.keys():
-        if key.startswith(expert_prefixes) or key.endswith(COMPANION_SUFFIXES) or prediction_layer(key, config):
-            continue
+    for key in other_weight_keys(ckpt, config, arch, [layer for _, layer, _ in experts]):
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
-        if name in targets and tuple(t.shape) != tuple(targets[name].shape):
-            raise ValueError(f"{key} has shape {list(t.shape)} but config.json implies {list(targets[name].shape)}; "
-                             "check that config.json belongs to these weights.")
-        state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype) if name in targets else t
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if result.unexpected_keys:
-        raise ValueError(f"checkpoint keys {result.unexpected_keys[:3]} match no parameter of the "
-                         f"{config.model_type} model; the checkpoint and config.json disagree.")
+        state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype)
+    model.load_state_dict(state, strict=False, assign=True)
 
     placed = []
     for name, layer, module in experts:
@@ -337,10 +372,6 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         # there), and one that holds only the tied-to side ties the other way round.
         missing = {n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta}
         model.tie_weights(missing_keys=missing, recompute_mapping=False)
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if still_meta:
-        raise ValueError(f"the checkpoint lacks {still_meta[:3]}{' and more' if len(still_meta) > 3 else ''}; "
-                         "it does not hold a complete model.")
     if target != "bf16":
         _RefuseTrainingQuantizedBase(model)
         _refuse_saving(model, target)

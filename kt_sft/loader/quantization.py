@@ -85,6 +85,28 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
 COMPANION_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_shape")
 
 
+def int4_weight_shape(ckpt, key: str, packed_shape: tuple[int, ...]) -> list[int]:
+    """The [rows, columns] that the weight_shape tensor beside the packed INT4 weight `key` gives, checked against
+    the packed tensor's shape."""
+    base = key.removesuffix(".weight_packed")
+    stored = ckpt.get(base + ".weight_shape")
+    shape = stored.tolist()
+    if stored.is_floating_point() or stored.dim() != 1 or len(shape) != 2 or len(packed_shape) != 2 or \
+            shape[0] != packed_shape[0]:
+        raise ValueError(f"{base}.weight_shape is {shape} ({stored.dtype}), where {key} holds {packed_shape[0]} "
+                         "rows: it must be two whole numbers, [rows, columns]; the checkpoint is damaged or was "
+                         "written wrongly: download it again.")
+    return shape
+
+
+def stored_weight_shape(ckpt, key: str) -> tuple[str, tuple[int, ...]]:
+    """(module key `<module>.weight`, shape of its values) of the tensor `key` as read_weight gives it, from the
+    shard headers (and an INT4 weight's weight_shape): no weight is read."""
+    if key.endswith(".weight_packed"):
+        return key.removesuffix("_packed"), tuple(int4_weight_shape(ckpt, key, ckpt.shape(key)))
+    return key, ckpt.shape(key)
+
+
 def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     """(module key `<module>.weight`, float32 values) of a weight stored quantized, or the tensor as stored for
     everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`); `read(key)` reads a
@@ -92,12 +114,8 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     read = read or ckpt.get
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
-        packed, stored = read(key), ckpt.get(base + ".weight_shape")
-        shape = stored.tolist()
-        if stored.is_floating_point() or len(shape) != 2 or packed.dim() != 2 or shape[0] != packed.shape[0]:
-            raise ValueError(f"{base}.weight_shape is {shape} ({stored.dtype}), where {key} holds {packed.shape[0]} "
-                             "rows: it must be two whole numbers, [rows, columns]; the checkpoint is damaged or was "
-                             "written wrongly: download it again.")
+        packed = read(key)
+        shape = int4_weight_shape(ckpt, key, tuple(packed.shape))
         return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
     t = read(key)
     scale_key = key.removesuffix(".weight") + ".weight_scale_inv"

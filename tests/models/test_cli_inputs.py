@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from kt_sft.cli import main, run
 from kt_sft.models import use_cpu_experts
 from test_export_adapter import trained_adapter
-from tiny_models import CONFIGS
+from tiny_models import CONFIGS, save_checkpoint, tiny_model
 
 
 @pytest.fixture
@@ -189,12 +189,11 @@ def test_merge_takes_the_weights_of_a_model_saved_from_a_kt_sft_one(adapter, tmp
 
 def test_merge_refuses_an_adapter_trained_on_a_model_with_other_experts(adapter, tmp_path):
     # Its experts 0..7 would have been merged into the first eight of sixteen without a word.
-    model_dir, adapter_dir = adapter
+    _, adapter_dir = adapter
+    config = CONFIGS["qwen3_moe"]()
+    config.num_experts *= 2
     other = tmp_path / "wider"
-    shutil.copytree(model_dir, other)
-    config = json.loads((other / "config.json").read_text())
-    key = next(k for k in ("num_experts", "num_local_experts") if k in config)  # transformers 5 saves the second
-    (other / "config.json").write_text(json.dumps({**config, key: 2 * config[key]}))
+    save_checkpoint(transformers.AutoModelForCausalLM.from_config(config), other)
     with pytest.raises(ValueError, match=r"is shaped \[8, .* but the model has 16 experts"):
         run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
@@ -345,7 +344,15 @@ def edited_model(model_dir, tmp_path, **changes):
     ({"num_attention_heads": 0}, [], r"config.json describes no buildable qwen3_moe model \(.*by zero"),
     # Had been prepared, and loaded with nothing on the CPU engine.
     ({"mlp_only_layers": list(range(8))}, [], r"makes every layer a dense MLP \(no routed experts\)"),
-], ids=["kernels", "top_k", "fewer_experts", "string_size", "negative_vocab", "no_heads", "all_dense"])
+    # The rest had been prepared, and refused by the load only after it had read every weight outside the experts.
+    ({"vocab_size": 128}, [], r"lm_head.weight has shape \[96, 64\] but config.json implies \[128, 64\]"),
+    ({"num_attention_heads": 8}, [], r"self_attn.o_proj.weight has shape \[\d+, \d+\] but config.json implies"),
+    ({"mlp_only_layers": [0]}, [], r"has model.layers.0.mlp.experts.0.down_proj.weight and \d+ more, which no weight of "
+                                   r"the qwen3_moe model that config.json describes matches; check .* mlp_only_layers"),
+    ({"num_hidden_layers": 3, "mlp_only_layers": [2]}, [], r"lacks model.layers.2.\S+ and \d+ more, which the "
+                                                           r"qwen3_moe model that config.json describes needs; download"),
+], ids=["kernels", "top_k", "fewer_experts", "string_size", "negative_vocab", "no_heads", "all_dense", "other_vocab",
+        "other_heads", "a_dense_layer", "a_dense_layer_more"])
 def test_prepare_refuses_settings_the_load_would_fail_on(adapter, tmp_path, changes, extra, message):
     model_dir, _ = adapter
     with pytest.raises(ValueError, match=message):
@@ -464,9 +471,7 @@ def test_a_model_of_another_architecture_than_the_adapters_is_refused(adapter, t
     model_dir, adapter_dir = adapter
     other = with_config(adapter_dir, tmp_path, config_with(adapter_dir, base_model_name_or_path=str(model_dir)))
     mixtral = tmp_path / "mixtral"
-    shutil.copytree(model_dir, mixtral)
-    config = json.loads((mixtral / "config.json").read_text())
-    (mixtral / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    save_checkpoint(tiny_model("mixtral"), mixtral)
     if command == "export":
         assert run(["export", str(other), str(tmp_path / "same"), "--model", str(model_dir)]) == 0
         args, given = [str(other), str(tmp_path / "out"), "--model", str(mixtral)], "--model .*mixtral"

@@ -108,6 +108,24 @@ def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt)
         assert torch.isfinite(load(tmp_path / "reprepared")(IDS).logits).all()
 
 
+def test_merge_refuses_a_checkpoint_that_prepare_refuses(published, tmp_path):  # noqa: F811
+    # FP8 scales in float64 had been merged and written as float64, a checkpoint kt_sft then could not read.
+    src = tmp_path / "fp8"
+    shutil.copytree(published["fp8"], src)
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    peft.get_peft_model(load(tmp_path / "prepared").requires_grad_(False), config).save_pretrained(tmp_path / "adapter")
+    key = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+    state = load_file(str(src / "model.safetensors"))
+    save_file({**state, key: state[key].double()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    message = re.escape(key) + " is stored as F64, where fp8 experts keep F32 or BF16 or F16"
+    with pytest.raises(ValueError, match=message):
+        run(["prepare", str(src), str(tmp_path / "again")])
+    with pytest.raises(ValueError, match=message):
+        run(["merge", str(tmp_path / "prepared"), str(tmp_path / "adapter"), str(tmp_path / "merged")])
+    assert not (tmp_path / "merged").exists()
+
+
 def reshard(directory, shards=3):
     """The checkpoint's single file split into `shards` files with an index, keys dealt round-robin (so a weight and
     its scales mostly sit in different shards)."""

@@ -321,10 +321,13 @@ def test_a_dense_weight_of_another_shape_is_named(published, tmp_path):
     for f in published["bf16"].iterdir():
         (src / f.name).write_bytes(f.read_bytes())
     key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight"))
-    _rewrite(src, lambda state: state.update({key: state[key][:, :-2].contiguous()}))
     assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
-    with pytest.raises(ValueError, match=re.escape(key) + r" has shape \[\d+, \d+\] but config.json implies"):
+    _rewrite(src, lambda state: state.update({key: state[key][:, :-2].contiguous()}))
+    message = re.escape(key) + r" has shape \[64, 62\] but config.json implies \[64, 64\]"
+    with pytest.raises(ValueError, match=message):  # from the shard's header, before any weight is read
         load(tmp_path / "out")
+    with pytest.raises(ValueError, match=message):
+        run(["prepare", str(src), str(tmp_path / "again")])
 
 
 def test_a_bad_expert_value_names_its_layer(published, tmp_path):
