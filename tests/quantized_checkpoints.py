@@ -39,14 +39,17 @@ def _copy_other_files(src: Path, dst: Path):
             shutil.copy(f, dst / f.name)
 
 
-def quantize_checkpoint(src: Path, dst: Path, fmt: str, model_type: str | None = None) -> Path:
+def quantize_checkpoint(src: Path, dst: Path, fmt: str, model_type: str | None = None,
+                        int4_dense: bool = False) -> Path:
+    """int4_dense: every linear projection in INT4, not only the routed experts (as compressed-tensors quantizes a
+    whole model when its recipe ignores none)."""
     state = load_file(str(src / "model.safetensors"))
     out = {}
     for key, t in state.items():
         base = key.removesuffix(".weight")
         if fmt == "fp8" and key.endswith(("proj.weight", "proj_with_mqa.weight")):  # kv_a_proj_with_mqa too
             out[key], out[base + ".weight_scale_inv"] = fp8_block.quantize(t.float())
-        elif fmt == "int4" and ".mlp.experts." in key:
+        elif fmt == "int4" and (".mlp.experts." in key or int4_dense and key.endswith("proj.weight")):
             out[base + ".weight_packed"], out[base + ".weight_scale"] = int4_group.quantize(t.float())
             out[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
         else:
@@ -54,7 +57,8 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, model_type: str | None =
     _copy_other_files(src, dst)
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = FP8_CONFIG if fmt == "fp8" else INT4_CONFIG
+    cfg["quantization_config"] = FP8_CONFIG if fmt == "fp8" else {**INT4_CONFIG, "ignore": ["lm_head"]} if int4_dense \
+        else INT4_CONFIG
     if model_type:
         cfg["model_type"] = model_type
     (dst / "config.json").write_text(json.dumps(cfg, indent=1))

@@ -10,6 +10,8 @@ import torch
 import transformers
 
 from kt_sft.cli import run
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.loader.quantization import read_weight
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import dequantized_copy, kimi_k25_checkpoint, quantize_checkpoint
 from tiny_models import save_checkpoint, tiny_model
@@ -35,9 +37,13 @@ def published(tmp_path_factory):
             "bf16": root / "bf16"}
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "int4_dense"])
 def test_published_quantized_checkpoint_loads_and_matches(published, tmp_path, fmt):
     out = tmp_path / "prepared"
+    if fmt == "int4_dense":  # attention and dense MLPs packed too: dequantized at load, their shapes checked before
+        fmt = "int4"
+        published = {fmt: quantize_checkpoint(published["bf16"], tmp_path / "dense", fmt, "kimi_k2", int4_dense=True)}
+        assert any(k.endswith("self_attn.o_proj.weight_packed") for k in Checkpoint(published[fmt]).keys())
     assert run(["prepare", str(published[fmt]), str(out)]) == 0
     written = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in written and written["kt_sft"]["expert_format"] == fmt
@@ -200,8 +206,6 @@ def test_int4_weight_shape_of_any_expert_is_checked(published, tmp_path):
 def test_an_int4_weight_shape_that_is_not_whole_numbers_is_named(published, tmp_path):
     # Stored as floats, it reached the unpacking as a column count: a TypeError traceback where a weight is read
     # whole (kt-sft merge; a dense INT4 weight at load).
-    from kt_sft.loader.checkpoint import Checkpoint
-    from kt_sft.loader.quantization import read_weight
     src = quantize_checkpoint(published["bf16"], tmp_path / "float_shape", "int4", model_type="kimi_k2")
     key = "model.layers.1.mlp.experts.3.gate_proj.weight_shape"
     _rewrite(src, lambda state: state.__setitem__(key, state[key].float()))
