@@ -194,7 +194,7 @@ def other_weight_keys(ckpt: Checkpoint, config, arch, layers) -> list[str]:
 
 def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
     """The weights outside the routed experts, from the shard headers: each is a weight of the model config.json
-    describes, with its shape, and the model's every parameter is in the checkpoint (or tied to one that is). The
+    describes, with its shape, and the model's every weight is in the checkpoint (or tied to one that is). The
     load had found these only after reading every such weight (~34 GB at DeepSeek-V3), prepare not at all."""
     targets = {**dict(skeleton.named_parameters()), **dict(skeleton.named_buffers())}
     found, unexpected = set(), []
@@ -214,7 +214,9 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     tied.update({source: target for target, source in tied.items()})  # either side of a tie may be stored
     in_experts = tuple(f"{name}." for name, _, _ in experts)
-    missing = [n for n, _ in skeleton.named_parameters() if not n.startswith(in_experts) and n not in found
+    # The state dict's names: parameters, and the buffers a checkpoint holds (DeepSeek-V3's routing bias, which the
+    # load would otherwise leave at its initial zeros).
+    missing = [n for n in skeleton.state_dict() if not n.startswith(in_experts) and n not in found
                and tied.get(n) not in found]
     if missing:
         raise ValueError(f"the checkpoint lacks {_first_of(missing)}, which the {config.model_type} model that "

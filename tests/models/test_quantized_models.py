@@ -3,6 +3,7 @@
 the stock model on the dequantized values, LoRA trains, full fine-tuning is refused, bad configs are named."""
 import json
 import re
+import shutil
 
 import peft
 import pytest
@@ -332,6 +333,17 @@ def test_a_dense_weight_of_another_shape_is_named(published, tmp_path):
         load(tmp_path / "out")
     with pytest.raises(ValueError, match=message):
         run(["prepare", str(src), str(tmp_path / "again")])
+
+
+def test_a_checkpoint_without_the_routing_bias_is_refused(published, tmp_path):
+    # DeepSeek-V3's e_score_correction_bias is a buffer: a checkpoint without it had loaded with the bias at zeros,
+    # routing tokens to other experts than the published model, without a word.
+    src = tmp_path / "no_bias"
+    shutil.copytree(published["bf16"], src)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    _rewrite(src, lambda state: state.pop(key))
+    with pytest.raises(ValueError, match=f"the checkpoint lacks {re.escape(key)}, which the deepseek_v3 model"):
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_a_bad_expert_value_names_its_layer(published, tmp_path):
