@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -261,25 +262,40 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
 
 
 class _RefuseTrainingQuantizedBase:
-    """Full or freeze fine-tuning of a model whose experts are FP8/INT4 would leave the experts silently frozen.
-    At the first training forward of the experts, base weights that require grad (other than LoRA and
-    modules_to_save) get a clear error; once a training step is seen to be fine, the hooks go away."""
+    """Full or freeze fine-tuning of a model whose experts are FP8/INT4 would leave the experts silently frozen: at a
+    training forward of the experts, base weights that require grad (other than LoRA and modules_to_save) get a
+    clear error. The model's parameters are scanned once per forward, when an experts module is called again
+    since the last scan (~1 ms beside the seconds of a forward), so weights made trainable after good steps are
+    refused too; the experts that PEFT's unload makes in place of watched ones are watched in turn
+    (KTExpertsLinear.unload_and_optionally_merge_module)."""
 
     def __init__(self, model):
-        self.model = model
-        self.handles = [m.register_forward_pre_hook(self) for m in model.modules() if isinstance(m, KTExpertsLinear)]
+        self.model = weakref.ref(model)
+        self.called: set[int] = set()  # the experts modules called since the last scan
+        for m in model.modules():
+            if isinstance(m, KTExpertsLinear):
+                self.watch(m)
 
+    def watch(self, experts) -> None:
+        experts.register_forward_pre_hook(self)
+        experts.base_guard = self
+        self.called = set()  # the next call scans
+
+    @torch.compiler.disable  # a scan of the parameters: no graph to capture
     def __call__(self, module, args):
-        if not (module.training and torch.is_grad_enabled()):
+        model = self.model()
+        if model is None or not (module.training and torch.is_grad_enabled()):
             return
-        trainable = [n for n, p in self.model.named_parameters() if p.requires_grad and "lora_" not in n
-                     and "modules_to_save" not in n]
+        if self.called and id(module) not in self.called:  # a later layer of the forward the last scan saw
+            self.called.add(id(module))
+            return
+        self.called = {id(module)}
+        trainable = next((n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n
+                          and "modules_to_save" not in n), None)
         if trainable:
-            raise ValueError(f"base weights such as {trainable[0]} are being trained, but this model's routed experts "
+            raise ValueError(f"base weights such as {trainable} are being trained, but this model's routed experts "
                              "are quantized and cannot train with them; use finetuning_type: lora, or prepare the "
                              "model with `kt-sft prepare --expert-format bf16` to train every weight in BF16.")
-        for h in self.handles:
-            h.remove()
 
 
 def _refuse_saving(model, fmt: str) -> None:

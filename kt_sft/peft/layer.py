@@ -233,8 +233,12 @@ class KTExpertsLinear(KTExperts, LoraLayer):
             for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
                 if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
                     new.data = old.data
-            return experts
-        return KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
+        else:
+            experts = KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
+        guard = self.__dict__.get("base_guard")  # the loader's refusal of training base weights beside these experts
+        if guard is not None:
+            guard.watch(experts)
+        return experts
 
 
 def _refusing_merges_the_experts_cannot_take(method, merges):

@@ -101,9 +101,18 @@ def test_lora_trains_on_quantized_experts_and_full_training_is_refused(published
     assert all(m.lora_B["default"]["down"].grad.abs().sum() > 0 for m in experts)
     lora.save_pretrained(tmp_path / "adapter")  # the adapter saves; a full save would write no experts (buffers
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()  # outside the state dict): refused
+    # Base weights made trainable after good steps, and after an unload: had trained beside frozen experts.
+    embeddings = lora.get_input_embeddings().weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="base weights such as .*embed_tokens.weight are being trained"):
+        lora(input_ids=IDS, labels=IDS)
+    embeddings.requires_grad_(False)
+    lora(input_ids=IDS, labels=IDS).loss.backward()
+    base = lora.unload()
     with pytest.raises(ValueError, match="routed experts are FP8 .* save_pretrained would write a checkpoint without"):
-        lora.unload().save_pretrained(tmp_path / "saved")
+        base.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
+    with pytest.raises(ValueError, match="routed experts are quantized and cannot train"):
+        base.requires_grad_(True)(IDS, labels=IDS)
 
 
 @pytest.mark.parametrize("qc, match", [
