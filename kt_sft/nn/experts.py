@@ -35,6 +35,7 @@ from ..ops.gpu_lora import GpuLora, check_room
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, no_recompute_follows,
                                 own, recomputing, reserve_bytes, room_to_keep, setting_of)
 from ..ops.reference import PROJECTIONS, lora_scale
+from ..ops.stacked_lora_optimizers import check_optimizers_against
 
 
 # Held while a backward decides where the engine writes a parameter's grad and while it hands that grad over: two
@@ -67,6 +68,8 @@ _step_hook = []
 # engine's copies of it (gpu_lora.py) in that order, which is the layers' (PEFT and .to() visit them in order).
 _lora_on_gpu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _placed = itertools.count()
+# Experts that have held LoRA: their matrices are what an optimizer that cannot take stacked LoRA is checked against.
+_with_lora: weakref.WeakSet = weakref.WeakSet()
 # Set once the backward copy was refused for want of host RAM, or found unread, or KT_SFT_LORA_ON_GPU found without
 # effect (each warned once per process).
 _short_of_copy_room = []
@@ -405,6 +408,8 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.lora_dropout[adapter] = nn.Dropout(float(dropout))
         self.scaling[adapter] = lora_scale(r, alpha, use_rslora)
         self._place_lora()  # drawn on the CPU above (the same values wherever it lives), then moved home
+        _with_lora.add(self)
+        check_optimizers_against(lambda: [p for experts in list(_with_lora) for p in experts._lora_matrices()])
 
     def lora_home(self) -> torch.device:
         """Where the expert LoRA lives: the model's GPU with KT_SFT_LORA_ON_GPU=1 (kt_sft/ops/gpu_lora.py), else
@@ -718,8 +723,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         # copy of the weights. TRL's create_reference_model and PEFT's modules_to_save deep-copy modules.
         raise TypeError("kt_sft's CPU experts cannot be deep-copied; for a reference model (DPO, KTO) use the model "
                         "with its adapter disabled (TRL's default when ref_model is None with a PEFT model), or load "
-                        "the model a second time, and keep `experts` out of modules_to_save (LLaMA-Factory's PPO, "
-                        "whose TRL 0.9 trainer deep-copies the data collator holding the model, is not supported).")
+                        "the model a second time; keep `experts` and the MoE blocks that hold them out of "
+                        "modules_to_save (LLaMA-Factory's additional_target). LLaMA-Factory's PPO, whose TRL 0.9 "
+                        "trainer deep-copies the data collator holding the model, is not supported.")
 
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) live in CPU RAM for good: device and dtype moves skip
