@@ -25,8 +25,8 @@ from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
-from .quantization import (COMPANION_SUFFIXES, checkpoint_format, quantization_config_of, read_weight,
-                           stored_shapes, stored_weight_shape, weight_keys)
+from .quantization import (COMPANION_SUFFIXES, check_stored_weight, checkpoint_format, quantization_config_of,
+                           read_weight, stored_shapes, stored_weight_shape, weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -205,8 +205,10 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
         if name not in targets:
             unexpected.append(key)
         elif shape != tuple(targets[name].shape):
-            raise ValueError(f"{key} has shape {list(shape)} but config.json implies {list(targets[name].shape)}; "
-                             "check that config.json belongs to these weights.")
+            stored = f"{weight_key}_shape says" if key.endswith("_packed") else f"{key} has shape"
+            raise ValueError(f"{stored} {list(shape)} but config.json implies {list(targets[name].shape)}; check that "
+                             "config.json belongs to these weights.")
+        check_stored_weight(ckpt, key, shape)
         found.add(name)
     if unexpected:
         raise ValueError(f"the checkpoint has {_first_of(unexpected)}, which no weight of the {config.model_type} "
@@ -264,14 +266,16 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
 class _RefuseTrainingQuantizedBase:
     """Full or freeze fine-tuning of a model whose experts are FP8/INT4 would leave the experts silently frozen: at a
     training forward of the experts, base weights that require grad (other than LoRA and modules_to_save) get a
-    clear error. The model's parameters are scanned once per forward, when an experts module is called again
-    since the last scan (~1 ms beside the seconds of a forward), so weights made trainable after good steps are
-    refused too; the experts that PEFT's unload makes in place of watched ones are watched in turn
-    (KTExpertsLinear.unload_and_optionally_merge_module)."""
+    clear error. The base weights are checked once per forward, when an experts module is called again since the
+    last check, so weights made trainable after good steps are refused too; the experts that PEFT's unload makes in
+    place of watched ones are watched in turn (KTExpertsLinear.unload_and_optionally_merge_module). The base
+    weights are listed at the first check after a watch (a walk of the modules: ~6 ms at DeepSeek-V3's 6,000 with
+    LoRA), then read (PEFT's layers keep the base weights they wrap, and its unload hands them back)."""
 
     def __init__(self, model):
         self.model = weakref.ref(model)
-        self.called: set[int] = set()  # the experts modules called since the last scan
+        self.called: set[int] = set()  # the experts modules called since the last check
+        self.base: list | None = None  # (name, parameter) of the base weights
         for m in model.modules():
             if isinstance(m, KTExpertsLinear):
                 self.watch(m)
@@ -279,19 +283,20 @@ class _RefuseTrainingQuantizedBase:
     def watch(self, experts) -> None:
         experts.register_forward_pre_hook(self)
         experts.base_guard = self
-        self.called = set()  # the next call scans
+        self.called, self.base = set(), None  # the next call lists the weights again and checks
 
-    @torch.compiler.disable  # a scan of the parameters: no graph to capture
+    @torch.compiler.disable  # a walk of the parameters: no graph to capture
     def __call__(self, module, args):
         model = self.model()
         if model is None or not (module.training and torch.is_grad_enabled()):
             return
-        if self.called and id(module) not in self.called:  # a later layer of the forward the last scan saw
+        if self.called and id(module) not in self.called:  # a later layer of the forward the last check saw
             self.called.add(id(module))
             return
         self.called = {id(module)}
-        trainable = next((n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n
-                          and "modules_to_save" not in n), None)
+        if self.base is None:
+            self.base = [(n, p) for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n]
+        trainable = next((n for n, p in self.base if p.requires_grad), None)
         if trainable:
             raise ValueError(f"base weights such as {trainable} are being trained, but this model's routed experts "
                              "are quantized and cannot train with them; use finetuning_type: lora, or prepare the "

@@ -122,7 +122,34 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
     if t.dtype == torch.float8_e4m3fn:
         return key, fp8_block.dequantize(t, read(scale_key), key)
     if scale_key in ckpt.shard_of:
-        raise ValueError(f"{key} is {t.dtype} beside its FP8 block scales ({scale_key}), where FP8 weights are "
-                         "float8_e4m3fn; its values would be read as plain numbers: check that the checkpoint and "
-                         "its quantization_config belong together.")
+        raise not_fp8_beside_scales(key, t.dtype)
     return key, t
+
+
+def not_fp8_beside_scales(key: str, dtype) -> ValueError:
+    return ValueError(f"{key} is {dtype} beside its FP8 block scales ({key.removesuffix('.weight')}.weight_scale_inv), "
+                      "where FP8 weights are float8_e4m3fn; its values would be read as plain numbers: check that the "
+                      "checkpoint and its quantization_config belong together.")
+
+
+def check_stored_weight(ckpt, key: str, shape: tuple[int, ...]) -> None:
+    """A weight outside the routed experts stored quantized (FP8 `weight` of F8_E4M3 or beside block scales, INT4
+    `weight_packed`), checked from the shard headers against the [rows, columns] it holds: the value dtype, and its
+    companions present with the shapes those imply (else the load fails after reading every other weight)."""
+    if key.endswith(".weight_packed"):
+        fmt = "int4"
+    elif ckpt.dtype(key) == "F8_E4M3" or key.removesuffix(".weight") + ".weight_scale_inv" in ckpt.shard_of:
+        fmt = "fp8"
+        if ckpt.dtype(key) != "F8_E4M3":
+            raise not_fp8_beside_scales(key, ckpt.dtype(key))
+    else:
+        return
+    keys = weight_keys(fmt, key.removesuffix("_packed"))
+    for companion, want in zip(keys, stored_shapes(fmt, shape)):
+        if companion not in ckpt.shard_of:
+            raise ValueError(f"the checkpoint has no {companion}, which {key} ({fmt.upper()}) needs beside it; the "
+                             "checkpoint is incomplete or damaged: download it again.")
+        if ckpt.shape(companion) != want:
+            raise ValueError(f"{companion} has shape {list(ckpt.shape(companion))} where {key} ({fmt.upper()}) of "
+                             f"{list(shape)} values implies {list(want)}; the checkpoint is damaged or was written "
+                             "wrongly: download it again.")

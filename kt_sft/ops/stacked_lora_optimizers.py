@@ -1,6 +1,6 @@
 """Optimizers that read each parameter as one matrix, met with the routed experts' LoRA, which is stacked per expert
-([E, r, in] and [E, out, r]: E matrices in one parameter). Checked once per optimizer, at its first step (trainers
-build their optimizer where kt_sft cannot see it: LLaMA-Factory's `use_adam_mini`, `use_muon`):
+([E, r, in] and [E, out, r]: E matrices in one parameter). Checked at an optimizer's first step (trainers build
+their optimizer where kt_sft cannot see it: LLaMA-Factory's `use_adam_mini`, `use_muon`):
 
 - Adam-mini splits a parameter into blocks by its name and first dimension, and failed on the stacked LoRA at its
   first step with a reshape error deep in its code: refused in one sentence instead.
@@ -29,20 +29,16 @@ def check_optimizers_against(stacked_lora: Callable[[], Iterable[torch.Tensor]])
 
 
 def _check(optimizer, stacked_lora) -> None:
-    if optimizer in _checked:
-        return
-    _checked.add(optimizer)
     kind = type(optimizer).__name__
-    if kind not in ("Adam_mini", "Muon"):
+    if optimizer in _checked or kind not in ("Adam_mini", "Muon"):
         return
     stacked = {id(p) for p in stacked_lora()}
     params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in stacked]
-    if not params:
-        return
-    if kind == "Adam_mini":
+    if kind == "Adam_mini" and params:  # at every step: a retry would reach adam_mini's own error
         raise ValueError("Adam-mini (LLaMA-Factory's use_adam_mini) splits each parameter into blocks as one matrix "
-                         "and cannot take the routed experts' LoRA, which stacks one matrix per expert; leave `experts` "
-                         "out of lora_target, or use another optimizer.")
+                         "and cannot take the routed experts' LoRA, which stacks one matrix per expert; leave "
+                         "`experts` out of lora_target, or use another optimizer.")
+    _checked.add(optimizer)
     if any(not optimizer.state[p].get("use_muon", True) for p in params):
         warn("kt_sft: Muon (LLaMA-Factory's use_muon) orthogonalizes 2-D parameters only, so the routed experts' LoRA, "
              "which stacks one matrix per expert, trains with Muon's AdamW part (the other LoRA matrices with Muon); "

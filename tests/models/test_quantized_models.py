@@ -200,9 +200,22 @@ def test_a_missing_scale_of_a_dense_fp8_weight_is_named(published, tmp_path):
     src = quantize_checkpoint(published["bf16"], tmp_path / "no_attn_scale", "fp8")
     key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight_scale_inv"))
     _rewrite(src, lambda state: state.pop(key))
-    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0  # prepare checks the experts only
-    with pytest.raises(ValueError, match=f"has no tensor {re.escape(key)}; it is incomplete"):
-        load(tmp_path / "out")
+    # From the shard headers, before any weight is read (the load had failed after reading the others).
+    message = f"has no {re.escape(key)}, which {re.escape(key.removesuffix('_scale_inv'))} \\(FP8\\) needs beside it"
+    with pytest.raises(ValueError, match=message):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("fmt, suffix", [("fp8", "weight_scale_inv"), ("int4", "weight_scale"),
+                                         ("int4", "weight_packed")])
+def test_a_dense_quantized_weight_whose_parts_disagree_is_named(published, tmp_path, fmt, suffix):
+    src = quantize_checkpoint(published["bf16"], tmp_path / "cut", fmt, "kimi_k2" if fmt == "int4" else None,
+                              int4_dense=True)
+    key = next(k for k in _keys(src) if k.endswith(f"self_attn.o_proj.{suffix}"))
+    _rewrite(src, lambda state: state.update({key: state[key][:, :-1].contiguous()}))
+    with pytest.raises(ValueError, match=re.escape(key) + r" has shape \[\d+, \d+\] where .* \(" + fmt.upper() +
+                       r"\) of \[64, 64\] values implies"):
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_int4_weight_shape_of_any_expert_is_checked(published, tmp_path):
@@ -314,9 +327,8 @@ def test_a_dense_weight_beside_fp8_scales_in_another_dtype_is_refused(published,
     src = quantize_checkpoint(published["bf16"], tmp_path / "e5m2", "fp8")
     key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight"))
     _rewrite(src, lambda state: state.update({key: state[key].to(torch.float8_e5m2)}))
-    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0  # prepare checks the experts only
-    with pytest.raises(ValueError, match=re.escape(key) + r" is torch.float8_e5m2 beside its FP8 block scales"):
-        load(tmp_path / "out")
+    with pytest.raises(ValueError, match=re.escape(key) + r" is F8_E5M2 beside its FP8 block scales"):
+        run(["prepare", str(src), str(tmp_path / "out")])
 
 
 def test_tensors_beside_the_experts_that_the_loader_would_skip_are_refused(published, tmp_path):

@@ -28,8 +28,9 @@ def args(tmp_path):
 def test_adam_mini_is_refused_in_one_sentence_with_the_experts_lora(tmp_path):
     # It had failed at its first step with a reshape error inside adam_mini.
     optimizer = _create_adam_mini_optimizer(lora_model(["o_proj", "experts"]), args(tmp_path))
-    with pytest.raises(ValueError, match=r"Adam-mini .* cannot take the routed experts' LoRA.*leave `experts` out"):
-        optimizer.step()
+    for _ in range(2):  # a retry too (it had reached adam_mini's reshape error)
+        with pytest.raises(ValueError, match=r"Adam-mini .* cannot take the routed experts' LoRA.*leave `experts`"):
+            optimizer.step()
     _create_adam_mini_optimizer(lora_model(["o_proj"]), args(tmp_path)).step()  # without the experts: as before
 
 
