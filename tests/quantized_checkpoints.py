@@ -47,7 +47,8 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, model_type: str | None =
     out = {}
     for key, t in state.items():
         base = key.removesuffix(".weight")
-        if fmt == "fp8" and key.endswith(("proj.weight", "proj_with_mqa.weight")):  # kv_a_proj_with_mqa too
+        # kv_a_proj_with_mqa too, and experts named as Mixtral's (w1/w2/w3)
+        if fmt == "fp8" and (key.endswith(("proj.weight", "proj_with_mqa.weight")) or ".experts." in key):
             out[key], out[base + ".weight_scale_inv"] = fp8_block.quantize(t.float())
         elif fmt == "int4" and (".mlp.experts." in key or int4_dense and key.endswith("proj.weight")):
             out[base + ".weight_packed"], out[base + ".weight_scale"] = int4_group.quantize(t.float())

@@ -185,12 +185,14 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     _check_other_weights(ckpt, skeleton, config, arch, experts)
 
 
-def other_weight_keys(ckpt: Checkpoint, config, arch, layers) -> list[str]:
+def other_weight_keys(ckpt: Checkpoint, model, arch, layers) -> list[str]:
     """The checkpoint keys the loader reads into the model itself: all but the routed experts of `layers`, the
-    companions of quantized weights (read with them) and the multi-token-prediction layers."""
+    companions of quantized weights (read with them), the multi-token-prediction layers, and what the model's class
+    tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module, `mtp.*`)."""
     prefixes = tuple(arch.experts_prefix(layer) for layer in layers)
-    return [k for k in ckpt.keys()
-            if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES) or prediction_layer(k, config))]
+    skipped = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
+    return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
+                                           or prediction_layer(k, model.config) or skipped.search(k))]
 
 
 def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
@@ -199,7 +201,7 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
     load had found these only after reading every such weight (~34 GB at DeepSeek-V3), prepare not at all."""
     targets = {**dict(skeleton.named_parameters()), **dict(skeleton.named_buffers())}
     found, unexpected = set(), []
-    for key in sorted(other_weight_keys(ckpt, config, arch, [layer for _, layer, _ in experts])):
+    for key in sorted(other_weight_keys(ckpt, skeleton, arch, [layer for _, layer, _ in experts])):
         weight_key, shape = stored_weight_shape(ckpt, key)
         name = arch.module_key(weight_key)
         if name not in targets:
@@ -368,7 +370,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     float32 = kept_in_float32(model, dtype)
     state = {}
-    for key in other_weight_keys(ckpt, config, arch, [layer for _, layer, _ in experts]):
+    for key in other_weight_keys(ckpt, model, arch, [layer for _, layer, _ in experts]):
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
         state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype)

@@ -29,7 +29,9 @@ def checkpoint_format(quantization_config: dict | None) -> str:
         raise _unsupported(f"the value {qc!r} where an object is expected")
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("fmt", "e4m3") != "e4m3" or list(qc.get("weight_block_size") or []) != [128, 128]:
+        # "e4m3" as DeepSeek publishes it, "float8_e4m3fn" as MiniMax-M2 does: the same codes.
+        if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn") or \
+                list(qc.get("weight_block_size") or []) != [128, 128]:
             raise _unsupported(f"fmt {qc.get('fmt')!r} and weight_block_size {qc.get('weight_block_size')}")
         if qc.get("activation_scheme", "dynamic") != "dynamic":  # static: input_scale tensors to apply
             raise _unsupported(f"activation_scheme {qc.get('activation_scheme')!r} (activations quantized with "

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 import kt_sft
 from kt_sft.cli import run
@@ -81,6 +82,21 @@ def test_prepared_model_in_bf16_holds_stock_dtypes_and_values(saved, tmp_path, m
             assert t.dtype == stock[name].dtype and torch.equal(t, stock[name]), name
             compared += 1
     assert compared > 10
+
+
+def test_the_keys_a_models_class_skips_are_skipped(saved, tmp_path):
+    # Qwen3-Next publishes its multi-token-prediction module as `mtp.*`, which transformers' model skips on load
+    # (_keys_to_ignore_on_load_unexpected); refused as weights of no module, it had kept the model from loading.
+    stock, src = saved("qwen3_next")
+    state = load_file(str(src / "model.safetensors"))
+    save_file({**state, "mtp.fc.weight": torch.ones(64, 128), "mtp.layers.0.mlp.experts.0.gate_proj.weight":
+               torch.ones(40, 64)}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
 
 
 def test_an_activation_other_than_silu_is_refused_before_reading_weights(tmp_path):

@@ -57,6 +57,23 @@ def test_published_quantized_checkpoint_loads_and_matches(published, tmp_path, f
         assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
 
 
+def test_minimax_m2_fp8_as_published_loads_and_matches(tmp_path):
+    # MiniMax-M2 publishes FP8 with fmt "float8_e4m3fn" (DeepSeek: "e4m3") and Mixtral's expert names (w1/w3/w2).
+    save_checkpoint(tiny_model("minimax_m2"), tmp_path / "bf16")
+    src = quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8", "fp8")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {**config["quantization_config"], "fmt": "float8_e4m3fn",
+                                     "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    (src / "config.json").write_text(json.dumps(config))
+    assert any(k.endswith("block_sparse_moe.experts.0.w1.weight_scale_inv") for k in _keys(src))
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    model = load(tmp_path / "prepared")
+    assert all(m.expert_format == "fp8" for m in model.modules() if isinstance(m, KTExpertsLinear))
+    ref = load(dequantized_copy(src, tmp_path / "ref", "minimax_m2"))
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_bf16_checkpoint_quantized_at_load(published, tmp_path, fmt):
     out = tmp_path / "prepared"

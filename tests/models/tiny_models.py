@@ -29,6 +29,13 @@ CONFIGS = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(  # a gated DeltaNet layer, then a gated attention one
+        **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+        num_experts=8, num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, head_dim=16, intermediate_size=40,
+                                                       num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -42,7 +49,7 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.copy_(p.bfloat16().float())
-            if "gate.e_score_correction_bias" in name:  # deepseek/glm: make the bias matter
+            if "e_score_correction_bias" in name:  # deepseek/glm/minimax: make the bias matter
                 p.normal_(0, 0.1)
     return model.eval()
 

@@ -1,0 +1,51 @@
+"""LoRA through the stock `llamafactory-cli` on the architectures added after the first six: a tiny Qwen3-Next
+(gated DeltaNet and gated attention layers), MiniMax-M2 (Mixtral's expert names, sigmoid routing with a
+correction bias) and OLMoE, each prepared from a checkpoint as transformers saves it. The loss falls and the
+adapter holds the experts' LoRA."""
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from kt_sft.integrations.demo import write_data, write_tokenizer
+from kt_sft.integrations.prepare import prepare
+from test_llamafactory import losses, run, write_yaml
+
+SIZES = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=32, num_experts_per_tok=4, max_position_embeddings=512, tie_word_embeddings=False,
+             bos_token_id=None, eos_token_id=2, pad_token_id=0)
+CONFIGS = {
+    "qwen3_next": lambda v: transformers.Qwen3NextConfig(
+        vocab_size=v, **SIZES, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=16,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32),
+    "minimax_m2": lambda v: transformers.MiniMaxM2Config(vocab_size=v, **SIZES, num_local_experts=16),
+    "olmoe": lambda v: transformers.OlmoeConfig(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"},
+                                                num_experts=16),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_lora_through_llamafactory(tmp_path, model_type):
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[model_type](write_tokenizer(src)))
+    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
+        model.lm_head.weight.normal_(0, 0.15)
+    model.save_pretrained(src)
+    write_data(tmp_path / "data")
+    prepared = prepare(src, tmp_path / "prepared")
+    out = tmp_path / "run"
+    cfg = {"model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
+           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16,
+           "dataset": "kt_identity", "dataset_dir": str(tmp_path / "data"), "template": "qwen", "cutoff_len": 256,
+           "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(out),
+           "overwrite_output_dir": True, "logging_steps": 5, "save_steps": 1000, "per_device_train_batch_size": 8,
+           "learning_rate": 0.01, "num_train_epochs": 30, "lr_scheduler_type": "constant", "bf16": False,
+           "report_to": "none", "seed": 0}
+    (tmp_path / "base.yaml").write_text("{}\n")
+    run(["train", str(write_yaml(tmp_path / "train.yaml", tmp_path / "base.yaml", **cfg))], tmp_path)
+    curve = losses(out)
+    assert curve[max(curve)] < 0.5 * curve[min(curve)], curve
+    with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
+        assert [k for k in f.keys() if ".mlp.experts.lora_" in k]
