@@ -1,6 +1,6 @@
 """Model architectures and the swap of their experts modules for the CPU engine."""
-from . import (deepseek_v2, deepseek_v3, glm4_moe, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe,  # noqa: F401
-               qwen3_next)  # (registration)
+from . import (deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, glm4_moe, glm4_moe_lite,  # noqa: F401 (registration)
+               hunyuan_v1_moe, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3_moe, qwen3_next)
 from .patch import use_cpu_experts
 from .registry import MoEArchitecture, architecture_of, canonical_model_type, composite_prefix
 

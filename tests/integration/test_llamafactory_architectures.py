@@ -1,7 +1,7 @@
-"""LoRA through the stock `llamafactory-cli` on the architectures added after the first six: a tiny Qwen3-Next
-(gated DeltaNet and gated attention layers), MiniMax-M2 (Mixtral's expert names, sigmoid routing with a
-correction bias) and OLMoE, each prepared from a checkpoint as transformers saves it. The loss falls and the
-adapter holds the experts' LoRA."""
+"""LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
+DeltaNet and gated attention layers), MiniMax-M2 (Mixtral's expert names, sigmoid routing with a correction
+bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE and Hunyuan-A13B, each prepared from a checkpoint as
+transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -22,6 +22,18 @@ CONFIGS = {
     "minimax_m2": lambda v: transformers.MiniMaxM2Config(vocab_size=v, **SIZES, num_local_experts=16),
     "olmoe": lambda v: transformers.OlmoeConfig(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"},
                                                 num_experts=16),
+    "dots1": lambda v: transformers.Dots1Config(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"},
+                                                moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1,
+                                                first_k_dense_replace=1),
+    "glm4_moe_lite": lambda v: transformers.Glm4MoeLiteConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_key_value_heads")},
+        num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, q_lora_rank=64,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, mlp_layer_types=["dense", "sparse"]),
+    "ernie4_5_moe": lambda v: transformers.Ernie4_5_MoeConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_experts_per_tok")},
+        moe_intermediate_size=64, moe_num_experts=16, moe_k=4, moe_num_shared_experts=1, moe_layer_start_index=1),
+    "hunyuan_v1_moe": lambda v: transformers.HunYuanMoEV1Config(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "num_experts_per_tok"}, num_experts=16, moe_topk=4),
 }
 
 

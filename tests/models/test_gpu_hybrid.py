@@ -32,7 +32,8 @@ def step_grads(model, device, autocast):
     return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "qwen3_next", "minimax_m2", "olmoe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "qwen3_next", "minimax_m2", "olmoe", "dots1",
+                                        "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     base = lora_model(model_type)
     gpu = lora_model(model_type)

@@ -36,6 +36,18 @@ CONFIGS = {
     "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, head_dim=16, intermediate_size=40,
                                                        num_local_experts=8, num_experts_per_tok=2),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2),
+    "dots1": lambda: transformers.Dots1Config(**COMMON, intermediate_size=96, moe_intermediate_size=40,
+                                              n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                              first_k_dense_replace=1),
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(  # GLM-4.7-Flash: DeepSeek-V3's attention (MLA)
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "sparse"]),
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
+                                                            moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                                                            moe_layer_start_index=1),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=16, intermediate_size=40,
+                                                              num_experts=8, moe_topk=2),
 }
 
 
