@@ -9,7 +9,8 @@ from safetensors import safe_open
 
 from kt_sft.integrations.demo import write_data, write_tokenizer
 from kt_sft.integrations.prepare import prepare
-from test_llamafactory import losses, run, write_yaml
+from test_llamafactory import losses
+from test_llamafactory_quantized import train_lora
 
 SIZES = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, num_experts_per_tok=4, max_position_embeddings=512, tie_word_embeddings=False,
@@ -48,15 +49,7 @@ def test_lora_through_llamafactory(tmp_path, model_type):
     write_data(tmp_path / "data")
     prepared = prepare(src, tmp_path / "prepared")
     out = tmp_path / "run"
-    cfg = {"model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
-           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16,
-           "dataset": "kt_identity", "dataset_dir": str(tmp_path / "data"), "template": "qwen", "cutoff_len": 256,
-           "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(out),
-           "overwrite_output_dir": True, "logging_steps": 5, "save_steps": 1000, "per_device_train_batch_size": 8,
-           "learning_rate": 0.01, "num_train_epochs": 30, "lr_scheduler_type": "constant", "bf16": False,
-           "report_to": "none", "seed": 0}
-    (tmp_path / "base.yaml").write_text("{}\n")
-    run(["train", str(write_yaml(tmp_path / "train.yaml", tmp_path / "base.yaml", **cfg))], tmp_path)
+    train_lora(prepared, tmp_path, out)
     curve = losses(out)
     assert curve[max(curve)] < 0.5 * curve[min(curve)], curve
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:

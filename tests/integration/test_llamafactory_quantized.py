@@ -28,6 +28,20 @@ def write_deepseek_v3(out, vocab_size):
     model.to(torch.bfloat16).save_pretrained(out)
 
 
+def train_lora(prepared, root, out, **changes):
+    """`llamafactory-cli train` of a LoRA on every linear module and the experts of `prepared`, 30 epochs over the
+    identity data in root/data, into `out`."""
+    cfg = {"model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
+           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16,
+           "dataset": "kt_identity", "dataset_dir": str(root / "data"), "template": "qwen", "cutoff_len": 256,
+           "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(out),
+           "overwrite_output_dir": True, "logging_steps": 5, "save_steps": 1000, "per_device_train_batch_size": 8,
+           "learning_rate": 0.01, "num_train_epochs": 30, "lr_scheduler_type": "constant", "bf16": False,
+           "report_to": "none", "seed": 0, **changes}
+    (root / "base.yaml").write_text("{}\n")
+    run(["train", str(write_yaml(root / f"{out.name}.yaml", root / "base.yaml", **cfg))], root)
+
+
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory):
     root = tmp_path_factory.mktemp("lfq")
@@ -41,15 +55,7 @@ def test_lora_on_published_quantized_checkpoint(bf16_model, fmt, model_type):
     root = bf16_model
     prepared = prepare(quantize_checkpoint(root / "bf16", root / fmt, fmt, model_type=model_type), root / f"{fmt}_kt")
     out = root / f"run_{fmt}"
-    cfg = {"model_name_or_path": str(prepared), "trust_remote_code": True, "stage": "sft", "do_train": True,
-           "finetuning_type": "lora", "lora_target": "all", "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.05,
-           "dataset": "kt_identity", "dataset_dir": str(root / "data"), "template": "qwen", "cutoff_len": 256,
-           "overwrite_cache": True, "preprocessing_num_workers": 1, "output_dir": str(out),
-           "overwrite_output_dir": True, "logging_steps": 5, "save_steps": 1000, "per_device_train_batch_size": 8,
-           "learning_rate": 0.01, "num_train_epochs": 30, "lr_scheduler_type": "constant", "bf16": False,
-           "report_to": "none", "seed": 0}
-    (root / "base.yaml").write_text("{}\n")
-    run(["train", str(write_yaml(root / f"{fmt}.yaml", root / "base.yaml", **cfg))], root)
+    train_lora(prepared, root, out, lora_dropout=0.05)
     curve = losses(out)
     assert curve[max(curve)] < 0.5 * curve[min(curve)], curve
 
