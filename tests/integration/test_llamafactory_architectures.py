@@ -1,7 +1,8 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
 DeltaNet and gated attention layers), MiniMax-M2 (Mixtral's expert names, sigmoid routing with a correction
-bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE and Hunyuan-A13B, each prepared from a checkpoint as
-transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
+bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE, Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo and
+AFMoE, each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds the experts'
+LoRA."""
 import pytest
 import torch
 import transformers
@@ -35,6 +36,17 @@ CONFIGS = {
         moe_intermediate_size=64, moe_num_experts=16, moe_k=4, moe_num_shared_experts=1, moe_layer_start_index=1),
     "hunyuan_v1_moe": lambda v: transformers.HunYuanMoEV1Config(
         vocab_size=v, **{k: x for k, x in SIZES.items() if k != "num_experts_per_tok"}, num_experts=16, moe_topk=4),
+    "exaone_moe": lambda v: transformers.ExaoneMoeConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, moe_intermediate_size=64, num_experts=16,
+        num_shared_experts=1, first_k_dense_replace=1),
+    "solar_open": lambda v: transformers.SolarOpenConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "intermediate_size"}, moe_intermediate_size=64,
+        n_routed_experts=16, n_shared_experts=1),
+    "flex_olmo": lambda v: transformers.FlexOlmoConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, num_experts=16),
+    "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
+                                                num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
+                                                sliding_window=64),
 }
 
 

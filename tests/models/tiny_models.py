@@ -48,6 +48,16 @@ CONFIGS = {
                                                             moe_layer_start_index=1),
     "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(**COMMON, head_dim=16, intermediate_size=40,
                                                               num_experts=8, moe_topk=2),
+    "exaone_moe": lambda: transformers.ExaoneMoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
+                                                       num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                                                       first_k_dense_replace=1),
+    "solar_open": lambda: transformers.SolarOpenConfig(**COMMON, head_dim=16, moe_intermediate_size=40,
+                                                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(**COMMON, intermediate_size=40, num_experts=8,
+                                                     num_experts_per_tok=2, pad_token_id=0),
+    "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
+                                              num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                                              num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
 }
 
 
