@@ -119,8 +119,9 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     if past:  # the loader would leave those layers out: another model than the checkpoint's
         raise ValueError(f"the checkpoint holds layer {past[-1]} (model.layers.{past[-1]}.…), past the "
                          f"{config.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
-                         f"num_nextn_predict_layers = {getattr(config, 'num_nextn_predict_layers', 0) or 0} "
-                         "multi-token-prediction layers after them); check that config.json belongs to these weights.")
+                         f"{prediction_layers(config)} multi-token-prediction layers after them, by its "
+                         "num_nextn_predict_layers or num_mtp_modules); check that config.json belongs to these "
+                         "weights.")
     top_k = getattr(config, "num_experts_per_tok", None)
     experts = experts_modules(skeleton, arch)
     if not experts:
@@ -326,12 +327,21 @@ def layer_past_the_model(key: str, config) -> int | None:
     return int(m[1]) if m is not None and int(m[1]) >= config.num_hidden_layers else None
 
 
+def prediction_layers(config) -> int:
+    """How many multi-token-prediction layers a checkpoint may hold past the model's layers: config.json's
+    num_nextn_predict_layers (DeepSeek-V3/R1, GLM-4.5), or num_mtp_modules of mtp_transformer_layers each
+    (MiniMax-M2)."""
+    nextn = getattr(config, "num_nextn_predict_layers", 0) or 0
+    modules = getattr(config, "num_mtp_modules", 0) or 0
+    return nextn or modules * (getattr(config, "mtp_transformer_layers", 1) or 1)
+
+
 def prediction_layer(key: str, config) -> bool:
-    """A checkpoint key of the multi-token-prediction layers that DeepSeek-V3/R1 (layer 61) and GLM-4.5 (92; 46 for
-    Air) publish past the model's layers (config.json's num_nextn_predict_layers of them), which transformers' models
-    skip on load too (`_keys_to_ignore_on_load_unexpected`); their routed experts alone are ~11 GB at DeepSeek-V3."""
+    """A checkpoint key of the multi-token-prediction layers that DeepSeek-V3/R1 (layer 61), GLM-4.5 (92; 46 for
+    Air) and MiniMax-M2 (62 on) publish past the model's layers (prediction_layers of them), which transformers'
+    models skip on load too; their routed experts alone are ~11 GB at DeepSeek-V3."""
     layer = layer_past_the_model(key, config)
-    return layer is not None and layer < config.num_hidden_layers + (getattr(config, "num_nextn_predict_layers", 0) or 0)
+    return layer is not None and layer < config.num_hidden_layers + prediction_layers(config)
 
 
 def kept_in_float32(model, dtype: torch.dtype):

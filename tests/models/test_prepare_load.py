@@ -340,11 +340,14 @@ def test_a_distributed_launch_is_refused_before_loading(saved, tmp_path, monkeyp
         use_cpu_experts(tiny_model("qwen3_moe"))
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
-def test_a_multi_token_prediction_layer_past_the_configs_layers_is_skipped(tmp_path, model_type):
-    """DeepSeek-V3/R1 and GLM-4.5 publish their multi-token-prediction layer (61; 92, 46 for Air; config.json's
-    num_nextn_predict_layers) as one more `model.layers.N` with routed experts; transformers skips it on load, and
-    so must the hybrid loader."""
+@pytest.mark.parametrize("model_type, declared", [
+    ("deepseek_v3", {"num_nextn_predict_layers": 1}), ("glm4_moe", {"num_nextn_predict_layers": 1}),
+    # MiniMax-M2: num_mtp_modules of mtp_transformer_layers each (refused as layers past the model before).
+    ("minimax_m2", {"num_mtp_modules": 1, "mtp_transformer_layers": 1})])
+def test_a_multi_token_prediction_layer_past_the_configs_layers_is_skipped(tmp_path, model_type, declared):
+    """DeepSeek-V3/R1, GLM-4.5 and MiniMax-M2 publish their multi-token-prediction layers (61; 92, 46 for Air; 62
+    on) as more `model.layers.N` with routed experts; transformers skips them on load, and so must the hybrid
+    loader."""
     import transformers as tf
     from tiny_models import CONFIGS as configs
     config = configs[model_type]()
@@ -354,7 +357,7 @@ def test_a_multi_token_prediction_layer_past_the_configs_layers_is_skipped(tmp_p
     save_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32), src)
     published = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**published, "num_hidden_layers": config.num_hidden_layers - 1,
-                                                 "num_nextn_predict_layers": 1}))
+                                                 **declared}))
     stock = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()  # warns of the extra layer
     with torch.no_grad():
         for name, p in stock.named_parameters():
