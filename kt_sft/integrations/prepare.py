@@ -33,6 +33,23 @@ COPY_BYTES = 64 << 20  # tokenizers and templates are a few MB at most
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 
 
+def _rotary_dim_as_a_factor(raw: dict) -> None:
+    """MiniMax-M2 publishes its partial rotary embedding as `rotary_dim` (64 of a head's 128), which transformers'
+    configuration does not read: the model then rotated every dimension, silently another model than the
+    published one. Given as the partial_rotary_factor transformers reads."""
+    rotary, hidden, heads, head_dim = (raw.get(k) for k in ("rotary_dim", "hidden_size", "num_attention_heads",
+                                                             "head_dim"))
+    if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    if isinstance(rotary, int) and isinstance(head_dim, int) and 0 < rotary < head_dim and \
+            "partial_rotary_factor" not in raw and "partial_rotary_factor" not in rope:
+        if rope:
+            raw["rope_parameters"] = {**rope, "partial_rotary_factor": rotary / head_dim}
+        else:
+            raw["partial_rotary_factor"] = rotary / head_dim
+
+
 def checked_source(source: Path) -> tuple[dict, str, str]:
     """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the experts' published
     format, the weight-key prefix of its text model), after every check of config.json and the shards' headers
@@ -47,6 +64,7 @@ def checked_source(source: Path) -> tuple[dict, str, str]:
     raw.pop("quantization_config", None)
     raw["model_type"] = canonical_model_type(raw.get("model_type"))
     raw.pop("auto_map", None)
+    _rotary_dim_as_a_factor(raw)
     try:
         config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
     except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types

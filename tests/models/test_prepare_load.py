@@ -99,6 +99,32 @@ def test_the_keys_a_models_class_skips_are_skipped(saved, tmp_path):
         assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
 
 
+@pytest.mark.parametrize("where", ["top", "rope_parameters"])
+def test_minimax_m2s_rotary_dim_is_read_as_its_partial_rotary_factor(tmp_path, where):
+    # MiniMax-M2's config.json gives `rotary_dim` (64 of 128), which transformers' configuration ignores: the
+    # prepared model had rotated all of each head (logits 0.2 off here).
+    config = CONFIGS["minimax_m2"]()
+    config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.5}
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(p.bfloat16().float())
+    save_checkpoint(stock, tmp_path / "src")
+    published = json.loads((tmp_path / "src" / "config.json").read_text())
+    rope = {k: v for k, v in published.pop("rope_parameters").items() if k != "partial_rotary_factor"}
+    published.update({"rotary_dim": 8, **({"rope_theta": rope["rope_theta"]} if where == "top" else
+                                          {"rope_parameters": rope})})
+    (tmp_path / "src" / "config.json").write_text(json.dumps(published))
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
 def test_an_activation_other_than_silu_is_refused_before_reading_weights(tmp_path):
     model = tiny_model("qwen3_moe")
     model.config.hidden_act = "gelu"
