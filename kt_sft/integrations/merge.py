@@ -262,6 +262,11 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     if out_dir == resolved(source):
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     ckpt = Checkpoint(source)
+    fused = sorted(k for k in ckpt.keys() if k.endswith(".experts.gate_up_proj"))
+    if fused:
+        raise ValueError(f"the checkpoint stores its routed experts fused ({fused[0]}, as a raw state_dict save "
+                         "writes them), where kt-sft merge writes the per-expert layout models are published in; "
+                         "merge the adapter with `llamafactory-cli export` instead (nothing was written).")
     updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir), ckpt)
     shards = shard_contents(ckpt)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}

@@ -136,44 +136,9 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
             raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
                              f"{config.model_type} layout gives; check that config.json belongs to these weights.")
-        want = ((two_i // 2, H), (two_i // 2, H), (H, two_i // 2))
-        expected = set()
-        for e in range(E):
-            for p in range(3):
-                keys = weight_keys(fmt, arch.expert_key(layer, e, p))
-                expected.update(keys)
-                for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
-                    if key not in ckpt.shard_of:
-                        if f"{name}.gate_up_proj" in ckpt.shard_of:
-                            raise ValueError(f"the checkpoint stores layer {layer}'s routed experts fused "
-                                             f"({name}.gate_up_proj, as a raw state_dict save writes them), where "
-                                             "kt_sft reads the per-expert layout models are published in: load it "
-                                             "with transformers, save it with save_pretrained (which writes that "
-                                             "layout), and prepare that copy.")
-                        plain = arch.expert_key(layer, e, p)
-                        if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
-                            raise _unquantized_expert(plain, fmt)
-                        if fmt == "bf16" and plain.removesuffix(".weight") + ".weight_packed" in ckpt.shard_of:
-                            raise ValueError(f"the checkpoint stores {plain} packed as INT4 (.weight_packed), but "
-                                             "config.json has no quantization_config, so it would be read as BF16; "
-                                             "restore the quantization_config the checkpoint was published with.")
-                        shard = ckpt.unindexed_shard(key)
-                        if shard is not None:
-                            raise ValueError(f"{ckpt.dir}'s index does not list {key}, which {shard} holds; the index "
-                                             "is stale or damaged: download it again.")
-                        raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
-                                         f"layout ({fmt} experts) implies; check that config.json belongs to these "
-                                         "weights.")
-                    if ckpt.dtype(key) not in dtypes:  # first: another dtype packs other shapes (INT4 in bytes)
-                        raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
-                    if ckpt.shape(key) != shape:
-                        raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
-                                         f"{list(shape)}; check that config.json belongs to these weights.")
-                if fmt == "int4":
-                    key = keys[2]
-                    if ckpt.get(key).tolist() != list(want[p]):
-                        raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
-                                         f"{list(want[p])}; check that config.json belongs to these weights.")
+        fused = fused_keys(ckpt, arch, layer, name)
+        expected = _check_fused(ckpt, fused, fmt, layer, E, two_i // 2, H) if fused else \
+            _check_per_expert(ckpt, config, arch, fmt, layer, E, two_i // 2, H)
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
         prefix = arch.experts_prefix(layer)
@@ -186,11 +151,80 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     _check_other_weights(ckpt, skeleton, config, arch, experts)
 
 
-def other_weight_keys(ckpt: Checkpoint, model, arch, layers) -> list[str]:
-    """The checkpoint keys the loader reads into the model itself: all but the routed experts of `layers`, the
-    companions of quantized weights (read with them), the multi-token-prediction layers, and what the model's class
-    tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module, `mtp.*`)."""
-    prefixes = tuple(arch.experts_prefix(layer) for layer in layers)
+def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: int, I: int, H: int) -> set[str]:
+    """A layer's experts stored one tensor (and its scales) per expert and projection, as models are published:
+    each present with the dtype and shape config.json implies. Returns their keys."""
+    want = ((I, H), (I, H), (H, I))
+    expected = set()
+    for e in range(E):
+        for p in range(3):
+            keys = weight_keys(fmt, arch.expert_key(layer, e, p))
+            expected.update(keys)
+            for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
+                if key not in ckpt.shard_of:
+                    plain = arch.expert_key(layer, e, p)
+                    if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
+                        raise _unquantized_expert(plain, fmt)
+                    if fmt == "bf16" and plain.removesuffix(".weight") + ".weight_packed" in ckpt.shard_of:
+                        raise ValueError(f"the checkpoint stores {plain} packed as INT4 (.weight_packed), but "
+                                         "config.json has no quantization_config, so it would be read as BF16; "
+                                         "restore the quantization_config the checkpoint was published with.")
+                    shard = ckpt.unindexed_shard(key)
+                    if shard is not None:
+                        raise ValueError(f"{ckpt.dir}'s index does not list {key}, which {shard} holds; the index "
+                                         "is stale or damaged: download it again.")
+                    raise ValueError(f"the checkpoint has no {key}, which config.json's {config.model_type} "
+                                     f"layout ({fmt} experts) implies; check that config.json belongs to these "
+                                     "weights.")
+                if ckpt.dtype(key) not in dtypes:  # first: another dtype packs other shapes (INT4 in bytes)
+                    raise _stored_dtype_error(key, ckpt.dtype(key), fmt, dtypes)
+                if ckpt.shape(key) != shape:
+                    raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
+                                     f"{list(shape)}; check that config.json belongs to these weights.")
+            if fmt == "int4":
+                key = keys[2]
+                if ckpt.get(key).tolist() != list(want[p]):
+                    raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
+                                     f"{list(want[p])}; check that config.json belongs to these weights.")
+    return expected
+
+
+def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:
+    """The keys of a layer's experts stored fused, as the transformers 5 module holds them (`gate_up_proj`
+    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert: under the checkpoint's own names
+    (Qwen3.5-MoE publishes them so, at model.language_model.layers.N.mlp.experts), or the module's (a raw state_dict
+    save)."""
+    for base in (arch.experts_prefix(layer), f"{module}."):
+        keys = (f"{base}gate_up_proj", f"{base}down_proj")
+        if any(k in ckpt.shard_of for k in keys):
+            return keys
+    return None
+
+
+def _check_fused(ckpt: Checkpoint, keys: tuple[str, str], fmt: str, layer: int, E: int, I: int, H: int) -> set[str]:
+    if fmt != "bf16":
+        raise ValueError(f"the checkpoint stores layer {layer}'s {fmt.upper()} routed experts fused ({keys[0]}), where "
+                         f"kt_sft reads {fmt.upper()} experts one tensor per expert, as they are published; prepare "
+                         "the published checkpoint, or a BF16 one with `--expert-format`.")
+    for key, shape in zip(keys, ((E, 2 * I, H), (E, H, I))):
+        if key not in ckpt.shard_of:
+            raise ValueError(f"the checkpoint has {keys[1 - keys.index(key)]} but no {key}: a layer's fused experts "
+                             "need both; the checkpoint is incomplete: save or download it again.")
+        if ckpt.dtype(key) not in _STORED_DTYPES["bf16"][0]:
+            raise _stored_dtype_error(key, ckpt.dtype(key), fmt, _STORED_DTYPES["bf16"][0])
+        if ckpt.shape(key) != shape:
+            raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies {list(shape)} (fused "
+                             "experts: [experts, 2 x intermediate, hidden] and [experts, hidden, intermediate]); check "
+                             "that config.json belongs to these weights.")
+    return set(keys)
+
+
+def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
+    """The checkpoint keys the loader reads into the model itself: all but the routed experts (experts_modules'
+    `experts`, per expert or fused), the companions of quantized weights (read with them), the multi-token-prediction
+    layers, and what the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module,
+    `mtp.*`)."""
+    prefixes = tuple(p for name, layer, _ in experts for p in (arch.experts_prefix(layer), f"{name}."))
     skipped = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
     return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
                                            or prediction_layer(k, model.config) or skipped.search(k))]
@@ -202,7 +236,7 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
     load had found these only after reading every such weight (~34 GB at DeepSeek-V3), prepare not at all."""
     targets = {**dict(skeleton.named_parameters()), **dict(skeleton.named_buffers())}
     found, unexpected = set(), []
-    for key in sorted(other_weight_keys(ckpt, skeleton, arch, [layer for _, layer, _ in experts])):
+    for key in sorted(other_weight_keys(ckpt, skeleton, arch, experts)):
         weight_key, shape = stored_weight_shape(ckpt, key)
         name = arch.module_key(weight_key)
         if name not in targets:
@@ -237,8 +271,21 @@ def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
     return read_weight(ckpt, weight_keys(fmt, key)[0], read=ckpt.read_new)[1]
 
 
-def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str):
-    """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts."""
+def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str,
+                 fused: tuple[str, str] | None = None):
+    """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts. fused: the
+    keys of experts stored fused (fused_keys; BF16 or float), read whole, in the engine's layout already."""
+    if fused is not None:
+        if target == "bf16":
+            gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
+            ckpt.read_into(fused[0], gate_up)
+            ckpt.read_into(fused[1], down)
+            return gate_up, down
+        gate_up, down = ckpt.read_new(fused[0]), ckpt.read_new(fused[1])  # one layer's, quantized expert by expert
+        q = QuantizedExperts.empty(target, E, H, I)
+        for e in range(E):
+            q.set_expert(e, gate_up[e, :I], gate_up[e, I:], down[e])
+        return q
     keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
     if target == "bf16":
         gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
@@ -380,7 +427,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     float32 = kept_in_float32(model, dtype)
     state = {}
-    for key in other_weight_keys(ckpt, model, arch, [layer for _, layer, _ in experts]):
+    for key in other_weight_keys(ckpt, model, arch, experts):
         key, t = read_weight(ckpt, key)
         name = arch.module_key(key)
         state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype)
@@ -390,7 +437,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
         try:
-            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target)
+            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target, fused_keys(ckpt, arch, layer, name))
             engine = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
             raise ValueError(f"layer {layer}'s routed experts: {e}") from None

@@ -74,7 +74,9 @@ def register_alias(model_type: str, same_as: str) -> None:
 
 
 # Composite checkpoints (a text model beside e.g. a vision tower) whose text model is served: top-level model_type
-# -> the prefix of the text model's weight keys. Their config.json nests the text model's config as text_config.
+# -> the prefix of the text model's weight keys, whose other keys are not read ("": every key is read, the text
+# model's renamed by its architecture's key_renames). Their config.json nests the text model's config as
+# text_config.
 _COMPOSITES: dict[str, str] = {}
 
 

@@ -1,8 +1,8 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
-DeltaNet and gated attention layers), MiniMax-M2 (Mixtral's expert names, sigmoid routing with a correction
-bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE, Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo and
-AFMoE, each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds the experts'
-LoRA."""
+DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts saved fused), MiniMax-M2 (Mixtral's
+expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE,
+Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo and AFMoE, each prepared from a checkpoint as transformers saves it.
+The loss falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -18,6 +18,10 @@ SIZES = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_att
              bos_token_id=None, eos_token_id=2, pad_token_id=0)
 CONFIGS = {
     "qwen3_next": lambda v: transformers.Qwen3NextConfig(
+        vocab_size=v, **SIZES, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=16,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32),
+    "qwen3_5_moe_text": lambda v: transformers.Qwen3_5MoeTextConfig(
         vocab_size=v, **SIZES, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=16,
         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32),

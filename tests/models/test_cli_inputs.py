@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from kt_sft.cli import main, run
 from kt_sft.models import use_cpu_experts
 from test_export_adapter import trained_adapter
+from test_prepare_load import fused_copy
 from tiny_models import CONFIGS, save_checkpoint, tiny_model
 
 
@@ -195,6 +196,19 @@ def test_merge_refuses_an_adapter_trained_on_a_model_with_other_experts(adapter,
     other = tmp_path / "wider"
     save_checkpoint(transformers.AutoModelForCausalLM.from_config(config), other)
     with pytest.raises(ValueError, match=r"is shaped \[8, .* but the model has 16 experts"):
+        run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_refuses_a_checkpoint_whose_experts_are_stored_fused(adapter, tmp_path):
+    # It had said the adapter's expert LoRA names no weight of the checkpoint ("merge it into the model it was
+    # trained on").
+    model_dir, adapter_dir = adapter
+    other = tmp_path / "fused"
+    shutil.copytree(model_dir, other)
+    fused_copy(other)
+    with pytest.raises(ValueError, match=r"stores its routed experts fused \(model.layers.0.mlp.experts.gate_up_proj"
+                                         r".*merge the adapter with `llamafactory-cli export`"):
         run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 

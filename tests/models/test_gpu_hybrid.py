@@ -34,7 +34,7 @@ def step_grads(model, device, autocast):
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "qwen3_next", "minimax_m2", "olmoe", "dots1",
                                         "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open",
-                                        "flex_olmo", "afmoe"])
+                                        "flex_olmo", "afmoe", "qwen3_5_moe_text"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     base = lora_model(model_type)
     gpu = lora_model(model_type)

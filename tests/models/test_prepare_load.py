@@ -1,6 +1,7 @@
 """`kt-sft prepare` + AutoModelForCausalLM(trust_remote_code) on tiny checkpoints written as transformers
 saves them (per-expert keys), and the clear errors for bad checkpoints."""
 import json
+import re
 import warnings
 
 import pytest
@@ -125,6 +126,31 @@ def test_minimax_m2s_rotary_dim_is_read_as_its_partial_rotary_factor(tmp_path, w
         assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
 
 
+def test_qwen3_5_moe_as_published_serves_its_text_model(saved, tmp_path):
+    # Published as a composite: the text model's weights under model.language_model., its experts fused, lm_head,
+    # the vision tower and the multi-token-prediction module beside them; config.json nests the text config.
+    stock, text = saved("qwen3_5_moe_text")
+    state = load_file(str(text / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state  # transformers saves this model's experts fused
+    src = tmp_path / "published"
+    src.mkdir()
+    published = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+                 for k, v in state.items()}
+    save_file({**published, "model.visual.patch_embed.proj.weight": torch.ones(8, 8), "mtp.fc.weight": torch.ones(8, 8)},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config":
+                                                 json.loads((text / "config.json").read_text()),
+                                                 "vision_config": {"depth": 1}}))
+    (src / "tokenizer_config.json").write_text("{}")
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
 def test_an_activation_other_than_silu_is_refused_before_reading_weights(tmp_path):
     model = tiny_model("qwen3_moe")
     model.config.hidden_act = "gelu"
@@ -218,20 +244,49 @@ def test_tied_embeddings_follow_what_the_checkpoint_holds(tmp_path, stored):
     prepared_matches(src, tmp_path / "out", stock)
 
 
-def test_experts_stored_fused_are_refused_with_the_fix(saved, tmp_path):
-    # A raw state_dict save keeps the experts as the transformers 5 module holds them; the refusal had blamed
-    # config.json.
-    _, src = saved("qwen3_moe")
-    from safetensors.torch import load_file, save_file
+def fused_copy(src, layers=2, experts=8):
+    """The checkpoint in src with its experts stored as the transformers 5 module holds them, as a raw state_dict
+    save writes them."""
     state = load_file(str(src / "model.safetensors"))
-    for layer in range(2):
+    for layer in range(layers):
         p = f"model.layers.{layer}.mlp.experts."
         state[p + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{p}{e}.gate_proj.weight"),
-                                                            state.pop(f"{p}{e}.up_proj.weight")]) for e in range(8)])
-        state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+                                                            state.pop(f"{p}{e}.up_proj.weight")])
+                                                 for e in range(experts)])
+        state[p + "down_proj"] = torch.stack([state.pop(f"{p}{e}.down_proj.weight") for e in range(experts)])
     save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"stores layer 0's routed experts fused \(model.layers.0.mlp.experts"
-                                         r".gate_up_proj.*save it with save_pretrained"):
+    return state
+
+
+@pytest.mark.parametrize("expert_format", [None, "int4"])
+def test_experts_stored_fused_load_and_match(saved, tmp_path, expert_format):
+    # Refused before ("save it with save_pretrained"): a raw state_dict save keeps the experts as the transformers 5
+    # module holds them, which is the engine's layout.
+    stock, src = saved("qwen3_moe")
+    fused_copy(src)
+    extra = ["--expert-format", expert_format] if expert_format else []
+    assert run(["prepare", str(src), str(tmp_path / "out"), *extra]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+    assert len(experts) == 2 and all(m.expert_format == (expert_format or "bf16") for m in experts)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model(ids).logits, stock(ids).logits
+    assert rel_l2(got, want) <= (FP32_IO if expert_format is None else 0.2)  # INT4: the format's rounding
+
+
+def test_fused_experts_that_disagree_with_the_config_are_named(saved, tmp_path):
+    _, src = saved("qwen3_moe")
+    state = fused_copy(src)
+    key = "model.layers.1.mlp.experts.down_proj"
+    save_file({**state, key: state[key][:, :, :-1].contiguous()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(key) + r" has shape \[8, 64, 39\] but config.json implies "
+                                         r"\[8, 64, 40\] \(fused experts"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+    save_file({k: v for k, v in state.items() if k != key}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"has model.layers.1.mlp.experts.gate_up_proj but no " + re.escape(key)):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 

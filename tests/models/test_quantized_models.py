@@ -384,6 +384,23 @@ def test_a_checkpoint_without_the_routing_bias_is_refused(published, tmp_path):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 
+def test_quantized_experts_stored_fused_are_refused(published, tmp_path):
+    # BF16 experts stored fused are read (test_prepare_load); FP8 ones have no published fused layout to read.
+    src = tmp_path / "fused_fp8"
+    shutil.copytree(published["fp8"], src)
+    p = "model.layers.1.mlp.experts."
+
+    def fuse(state):
+        for name in [k for k in state if k.startswith(p)]:
+            state.pop(name)
+        state[p + "gate_up_proj"] = torch.zeros(8, 80, 64).to(torch.float8_e4m3fn)
+        state[p + "down_proj"] = torch.zeros(8, 64, 40).to(torch.float8_e4m3fn)
+
+    _rewrite(src, fuse)
+    with pytest.raises(ValueError, match=r"stores layer 1's FP8 routed experts fused \(" + re.escape(p)):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
 def test_a_bad_expert_value_names_its_layer(published, tmp_path):
     src = tmp_path / "nan_expert"
     src.mkdir()

@@ -55,6 +55,10 @@ CONFIGS = {
                                                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1),
     "flex_olmo": lambda: transformers.FlexOlmoConfig(**COMMON, intermediate_size=40, num_experts=8,
                                                      num_experts_per_tok=2, pad_token_id=0),
+    "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(  # Qwen3.5-MoE's text model, as qwen3_next's
+        **COMMON, head_dim=16, moe_intermediate_size=40, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
