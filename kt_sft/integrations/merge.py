@@ -149,9 +149,7 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
 
 def checkpoint_key(arch, module: str) -> str:
     """The checkpoint key of a module path's weight (the module tree's names back to the checkpoint's)."""
-    for old, new in arch.key_renames:
-        module = module.replace(new, old)
-    return module + ".weight"
+    return arch.checkpoint_name(module) + ".weight"
 
 
 def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str) -> None:

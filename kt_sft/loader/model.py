@@ -191,10 +191,10 @@ def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: i
 
 def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:
     """The keys of a layer's experts stored fused, as the transformers 5 module holds them (`gate_up_proj`
-    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert: under the checkpoint's own names
-    (Qwen3.5-MoE publishes them so, at model.language_model.layers.N.mlp.experts), or the module's (a raw state_dict
-    save)."""
-    for base in (arch.experts_prefix(layer), f"{module}."):
+    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert: under the module's names (a raw
+    state_dict save) or the checkpoint's (Qwen3.5-MoE publishes them so, at
+    model.language_model.layers.N.mlp.experts)."""
+    for base in (f"{module}.", f"{arch.checkpoint_name(module)}.", arch.experts_prefix(layer)):
         keys = (f"{base}gate_up_proj", f"{base}down_proj")
         if any(k in ckpt.shard_of for k in keys):
             return keys
@@ -437,7 +437,8 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     for name, layer, module in experts:
         E, two_i, H = module.gate_up_proj.shape
         try:
-            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target, fused_keys(ckpt, arch, layer, name))
+            fused = fused_keys(ckpt, arch, layer, name)
+            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target, fused)
             engine = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
             raise ValueError(f"layer {layer}'s routed experts: {e}") from None

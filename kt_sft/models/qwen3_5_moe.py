@@ -5,9 +5,7 @@ transformers 5 module holds them; lm_head, the vision tower (model.visual.*) and
 (mtp.*) sit beside them, the last two skipped as transformers' causal LM skips them."""
 from .registry import MoEArchitecture, register, register_composite
 
-register(MoEArchitecture(
-    "qwen3_5_moe_text", experts_classes=("Qwen3_5MoeExperts",),
-    checkpoint_experts="model.language_model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
-    key_renames=(("model.language_model.", "model."),),
-))
+# Per expert (the text model as transformers 5.17 saves it) under the module tree's names; fused under either.
+register(MoEArchitecture("qwen3_5_moe_text", experts_classes=("Qwen3_5MoeExperts",),
+                         key_renames=(("model.language_model.", "model."),)))
 register_composite("qwen3_5_moe", "")  # every key read: the text model's are renamed, the rest skipped as above

@@ -58,6 +58,12 @@ class MoEArchitecture:
             checkpoint_key = checkpoint_key.replace(old, new)
         return checkpoint_key
 
+    def checkpoint_name(self, module_path: str) -> str:
+        """module_key's way back: the checkpoint's name of a module tree path."""
+        for old, new in self.key_renames:
+            module_path = module_path.replace(new, old)
+        return module_path
+
 
 _REGISTRY: dict[str, MoEArchitecture] = {}
 # model_types published with their own remote code that are a registered architecture under another name.
