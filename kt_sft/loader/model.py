@@ -141,8 +141,8 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
             _check_per_expert(ckpt, config, arch, fmt, layer, E, two_i // 2, H)
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
-        prefix = arch.experts_prefix(layer)
-        other = sorted(k for k in ckpt.keys() if k.startswith(prefix) and k not in expected)
+        prefixes = experts_key_prefixes(arch, layer, name)
+        other = sorted(k for k in ckpt.keys() if k.startswith(prefixes) and k not in expected)
         if other:
             raise ValueError(f"the checkpoint has {_first_of(other)} "
                              f"beside layer {layer}'s {fmt} experts, which kt_sft does not read ({fmt} experts are "
@@ -189,12 +189,17 @@ def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: i
     return expected
 
 
+def experts_key_prefixes(arch, layer: int, module: str) -> tuple[str, ...]:
+    """What a checkpoint's keys of a layer's routed experts start with: the per-expert layout's prefix, the experts
+    module's path (a raw state_dict save of fused experts) and that path under the checkpoint's names (Qwen3.5-MoE
+    publishes its experts fused at model.language_model.layers.N.mlp.experts)."""
+    return tuple(dict.fromkeys((arch.experts_prefix(layer), f"{module}.", f"{arch.checkpoint_name(module)}.")))
+
+
 def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:
     """The keys of a layer's experts stored fused, as the transformers 5 module holds them (`gate_up_proj`
-    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert: under the module's names (a raw
-    state_dict save) or the checkpoint's (Qwen3.5-MoE publishes them so, at
-    model.language_model.layers.N.mlp.experts)."""
-    for base in (f"{module}.", f"{arch.checkpoint_name(module)}.", arch.experts_prefix(layer)):
+    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert."""
+    for base in experts_key_prefixes(arch, layer, module):
         keys = (f"{base}gate_up_proj", f"{base}down_proj")
         if any(k in ckpt.shard_of for k in keys):
             return keys
@@ -224,7 +229,7 @@ def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
     `experts`, per expert or fused), the companions of quantized weights (read with them), the multi-token-prediction
     layers, and what the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module,
     `mtp.*`)."""
-    prefixes = tuple(p for name, layer, _ in experts for p in (arch.experts_prefix(layer), f"{name}."))
+    prefixes = tuple(p for name, layer, _ in experts for p in experts_key_prefixes(arch, layer, name))
     skipped = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
     return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
                                            or prediction_layer(k, model.config) or skipped.search(k))]
