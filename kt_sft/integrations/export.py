@@ -216,7 +216,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     settings = prepared_settings(base, model)
     # A prepared directory's config.json is its text model's; the checkpoint it serves may be a composite.
     model_type = settings.get("source_model_type") if settings else model.get("model_type")
-    if composite_prefix(model_type):
+    if composite_prefix(model_type) is not None:
         raise ValueError(f"{model_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
     arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model_type)))

@@ -125,9 +125,10 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     weight = prefix + arch.expert_key(int(stacked["layer"]), e, PROJECTIONS.index(stacked["proj"]))
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
-                pairs.setdefault(prefix + checkpoint_key(arch, plain["module"]), {})[plain["ab"]] = f.get_tensor(key)
+                weight = checkpoint_key(arch, plain["module"], ckpt, prefix)
+                pairs.setdefault(weight, {})[plain["ab"]] = f.get_tensor(key)
             elif copy and not _trained_whole(copy["module"], config):
-                check_base_copy(ckpt, prefix + checkpoint_key(arch, copy["module"]), f.get_tensor(key), key)
+                check_base_copy(ckpt, checkpoint_key(arch, copy["module"], ckpt, prefix), f.get_tensor(key), key)
             else:
                 raise ValueError(f"the adapter holds {key}, {_not_a_pair(key)}; kt-sft merge merges the LoRA pairs of "
                                  "linear layers only: serve this adapter unmerged.")
@@ -147,9 +148,11 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
     return updates
 
 
-def checkpoint_key(arch, module: str) -> str:
-    """The checkpoint key of a module path's weight (the module tree's names back to the checkpoint's)."""
-    return arch.checkpoint_name(module) + ".weight"
+def checkpoint_key(arch, module: str, ckpt: Checkpoint, prefix: str) -> str:
+    """The checkpoint key of a module path's weight: the module tree's names back to the checkpoint's, or the
+    module's own where the checkpoint keeps those (Qwen3.5-MoE's text model saved on its own)."""
+    keys = [prefix + name + ".weight" for name in dict.fromkeys((arch.checkpoint_name(module), module))]
+    return next((k for k in keys if k in ckpt.shard_of), keys[0])
 
 
 def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str) -> None:
@@ -262,9 +265,9 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     ckpt = Checkpoint(source)
     fused = sorted(k for k in ckpt.keys() if k.endswith(".experts.gate_up_proj"))
     if fused:
-        raise ValueError(f"the checkpoint stores its routed experts fused ({fused[0]}, as a raw state_dict save "
-                         "writes them), where kt-sft merge writes the per-expert layout models are published in; "
-                         "merge the adapter with `llamafactory-cli export` instead (nothing was written).")
+        raise ValueError(f"the checkpoint stores its routed experts fused ({fused[0]}), where kt-sft merge reads and "
+                         "writes them one tensor per expert; merge the adapter with `llamafactory-cli export` instead "
+                         "(nothing was written).")
     updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir), ckpt)
     shards = shard_contents(ckpt)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}

@@ -37,6 +37,8 @@ def _rotary_dim_as_a_factor(raw: dict) -> None:
     """MiniMax-M2 publishes its partial rotary embedding as `rotary_dim` (64 of a head's 128), which transformers'
     configuration does not read: the model then rotated every dimension, silently another model than the
     published one. Given as the partial_rotary_factor transformers reads."""
+    if raw.get("model_type") != "minimax_m2":  # others' rotary_dim (codegen, gptj) is their configuration's own
+        return
     rotary, hidden, heads, head_dim = (raw.get(k) for k in ("rotary_dim", "hidden_size", "num_attention_heads",
                                                              "head_dim"))
     if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:

@@ -176,17 +176,32 @@ class Checkpoint:
         if shape != tuple(out.shape):
             raise ValueError(f"{key} has shape {list(shape)} but {list(out.shape)} was expected.")
         if _RAW_DTYPES.get(dtype) == out.dtype and out.is_contiguous():
-            buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
-            with open(shard, "rb", buffering=0) as f:
-                f.seek(offset)
-                done = 0
-                while done < len(buf):  # one read returns at most ~2 GiB on Linux
-                    n = f.readinto(buf[done:])
-                    if not n:
-                        raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
-                    done += n
+            _read_bytes(shard, offset, out, key)
         else:
             out.copy_(self.read_new(key))
+
+    def read_slice(self, key: str, index: int) -> torch.Tensor:
+        """`key`[index] along its first dimension, read with plain file reads into a new tensor of its stored dtype
+        (one expert of a fused experts tensor, not the whole layer's)."""
+        shard, offset, dtype, shape = self._entry(key)
+        if dtype not in _RAW_DTYPES or not 0 <= index < shape[0]:
+            raise ValueError(f"{key} ({dtype}, {list(shape)}) has no slice {index} to read in place.")
+        out = torch.empty(shape[1:], dtype=_RAW_DTYPES[dtype])
+        _read_bytes(shard, offset + index * out.numel() * out.element_size(), out, key)
+        return out
+
+
+def _read_bytes(shard: Path, offset: int, out: torch.Tensor, key: str) -> None:
+    """Fills contiguous `out` with the shard's bytes from `offset`."""
+    buf = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    with open(shard, "rb", buffering=0) as f:
+        f.seek(offset)
+        done = 0
+        while done < len(buf):  # one read returns at most ~2 GiB on Linux
+            n = f.readinto(buf[done:])
+            if not n:
+                raise ValueError(f"{shard.name} ends inside tensor {key}; the shard is truncated.")
+            done += n
 
 
 # safetensors dtypes whose file bytes are the torch tensor's bytes (little-endian x86).

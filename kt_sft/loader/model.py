@@ -286,10 +286,10 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
             ckpt.read_into(fused[0], gate_up)
             ckpt.read_into(fused[1], down)
             return gate_up, down
-        gate_up, down = ckpt.read_new(fused[0]), ckpt.read_new(fused[1])  # one layer's, quantized expert by expert
         q = QuantizedExperts.empty(target, E, H, I)
-        for e in range(E):
-            q.set_expert(e, gate_up[e, :I], gate_up[e, I:], down[e])
+        for e in range(E):  # expert by expert: one layer's fused tensors whole would take GBs more RAM
+            gate_up = ckpt.read_slice(fused[0], e)
+            q.set_expert(e, gate_up[:I], gate_up[I:], ckpt.read_slice(fused[1], e))
         return q
     keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
     if target == "bf16":

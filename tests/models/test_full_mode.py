@@ -83,6 +83,28 @@ def test_a_strict_load_missing_some_per_expert_weights_is_refused(drop, tmp_path
         fresh.load_state_dict(state, strict=True)
 
 
+def test_per_expert_weights_under_the_module_names_are_accepted():
+    # Qwen3.5-MoE's text model as transformers 5.17 saves it: experts per expert at model.layers.N, where its
+    # checkpoint names are model.language_model.…: they had been left unexpected and the experts not restored.
+    model = tiny_model("qwen3_5_moe_text")
+    use_cpu_experts(model)
+    state = dict(model.state_dict())
+    for layer in range(2):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = state.pop(p + "gate_up_proj"), state.pop(p + "down_proj")
+        I = down.shape[-1]
+        for e in range(gate_up.shape[0]):
+            state.update({f"{p}{e}.gate_proj.weight": gate_up[e, :I], f"{p}{e}.up_proj.weight": gate_up[e, I:],
+                          f"{p}{e}.down_proj.weight": down[e]})
+    fresh = tiny_model("qwen3_5_moe_text", seed=1)
+    use_cpu_experts(fresh)
+    result = fresh.load_state_dict(state, strict=False)
+    assert not result.missing_keys and not result.unexpected_keys
+    loaded = dict(fresh.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(loaded[name].detach(), p.detach()), name
+
+
 def test_full_fine_tune_with_a_float32_master_follows_the_stock_model():
     # LLaMA-Factory upcasts trainable parameters (`p.data = p.data.float()`): the experts then train a float32
     # master as the stock float32 model's experts do. At lr 1e-5 every AdamW step (~1e-5 per weight) is far below

@@ -126,6 +126,25 @@ def test_merge_refuses_a_checkpoint_that_prepare_refuses(published, tmp_path):  
     assert not (tmp_path / "merged").exists()
 
 
+def test_merge_names_a_weight_as_the_checkpoint_does(tmp_path):
+    # Qwen3.5-MoE's text model keeps the module tree's names when saved on its own (model.layers.N), where its
+    # published checkpoint has model.language_model.layers.N: merge had looked for the latter only and refused an
+    # o_proj LoRA as naming no weight of the checkpoint.
+    from kt_sft.integrations.merge import checkpoint_key
+    from tiny_models import save_checkpoint, tiny_model
+    save_checkpoint(tiny_model("qwen3_5_moe_text"), tmp_path / "text")
+    arch = architecture_of(tiny_model("qwen3_5_moe_text").config)
+    module = "model.layers.1.self_attn.o_proj"
+    assert checkpoint_key(arch, module, Checkpoint(tmp_path / "text"), "") == module + ".weight"
+    published = tmp_path / "published"
+    published.mkdir()
+    state = load_file(str(tmp_path / "text" / "model.safetensors"))
+    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in state.items()},
+              str(published / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_key(arch, module, Checkpoint(published), "") == \
+        "model.language_model.layers.1.self_attn.o_proj.weight"
+
+
 def reshard(directory, shards=3):
     """The checkpoint's single file split into `shards` files with an index, keys dealt round-robin (so a weight and
     its scales mostly sit in different shards)."""
