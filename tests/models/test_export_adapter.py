@@ -18,7 +18,7 @@ from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import kimi_k25_checkpoint
-from tiny_models import save_checkpoint, tiny_model
+from tiny_models import qwen3_5_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -173,17 +173,22 @@ def test_what_a_killed_export_left_is_kept(tmp_path):
     assert (tmp_path / ".out.exporting" / "notes.txt").read_text() == "mine"
 
 
-def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_path):
-    """Kimi-K2.5's text model sits under `language_model.`: the published checkpoint, its prepared directory (a
-    deepseek_v3 config.json) and the adapter's recorded base (that prepared directory) are all refused alike."""
-    save_checkpoint(tiny_model("deepseek_v3"), tmp_path / "bf16")
-    src = kimi_k25_checkpoint(tmp_path / "bf16", tmp_path / "k25")
+@pytest.mark.parametrize("composite", ["kimi_k25", "qwen3_5_moe"])
+def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_path, composite):
+    """Kimi-K2.5's text model sits under `language_model.`, Qwen3.5-MoE's under `model.language_model.`: the
+    published checkpoint, its prepared directory (its text model's config.json) and the adapter's recorded base
+    (that prepared directory) are all refused alike (Qwen3.5-MoE's had been sent to `kt-sft prepare`)."""
+    if composite == "kimi_k25":
+        save_checkpoint(tiny_model("deepseek_v3"), tmp_path / "bf16")
+        src = kimi_k25_checkpoint(tmp_path / "bf16", tmp_path / "k25")
+    else:
+        src = qwen3_5_moe_published(tiny_model("qwen3_5_moe_text"), tmp_path / "q35")
     prepared = tmp_path / "prepared"
     assert run(["prepare", str(src), str(prepared)]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(prepared, trust_remote_code=True, dtype=torch.float32)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
     get_peft_model(model.requires_grad_(False), lora).save_pretrained(tmp_path / "adapter")
     for model_args in (["--model", str(src)], ["--model", str(prepared)], []):
-        with pytest.raises(ValueError, match="kimi_k25 is a composite checkpoint; .* not supported for it"):
+        with pytest.raises(ValueError, match=f"{composite} is a composite checkpoint; .* not supported for it"):
             run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), *model_args])
     assert not (tmp_path / "out").exists()

@@ -15,7 +15,7 @@ from kt_sft.integrations import modeling
 from kt_sft.loader import model as loader_model
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import CONFIGS, save_checkpoint, tiny_model
+from tiny_models import CONFIGS, qwen3_5_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -130,18 +130,8 @@ def test_minimax_m2s_rotary_dim_is_read_as_its_partial_rotary_factor(tmp_path, w
 def test_qwen3_5_moe_as_published_serves_its_text_model(saved, tmp_path, monkeypatch):
     # Published as a composite: the text model's weights under model.language_model., its experts fused, lm_head,
     # the vision tower and the multi-token-prediction module beside them; config.json nests the text config.
-    stock, text = saved("qwen3_5_moe_text")
-    state = {k: v.contiguous() for k, v in stock.state_dict().items()}  # the experts fused, as the module holds them
-    src = tmp_path / "published"
-    src.mkdir()
-    published = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
-                 for k, v in state.items()}
-    save_file({**published, "model.visual.patch_embed.proj.weight": torch.ones(8, 8), "mtp.fc.weight": torch.ones(8, 8)},
-              str(src / "model.safetensors"), metadata={"format": "pt"})
-    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config":
-                                                 json.loads((text / "config.json").read_text()),
-                                                 "vision_config": {"depth": 1}}))
-    (src / "tokenizer_config.json").write_text("{}")
+    stock, _ = saved("qwen3_5_moe_text")
+    src = qwen3_5_moe_published(stock, tmp_path / "published")
     assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
     read = []
     real = loader_model.read_weight

@@ -1,6 +1,7 @@
 """Tiny random-initialized transformers MoE models of each supported architecture (no hub access)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -84,3 +85,20 @@ def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
     """model.save_pretrained(path), with a stand-in for the tokenizer files that `kt-sft prepare` requires."""
     model.save_pretrained(path)
     (Path(path) / "tokenizer_config.json").write_text("{}")
+
+
+def qwen3_5_moe_published(model: transformers.PreTrainedModel, path) -> Path:
+    """A tiny Qwen3.5-MoE laid out as published: `model` (a qwen3_5_moe_text model) as the text model, its weights
+    under model.language_model. with the experts fused, lm_head, a vision tower and a multi-token-prediction
+    module beside them, and config.json nesting the text config."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True)
+    state = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v.contiguous()
+             for k, v in model.state_dict().items()}
+    save_file({**state, "model.visual.patch_embed.proj.weight": torch.ones(8, 8), "mtp.fc.weight": torch.ones(8, 8)},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": model.config.to_dict(),
+                                                  "vision_config": {"depth": 1}}))
+    (path / "tokenizer_config.json").write_text("{}")
+    return path
