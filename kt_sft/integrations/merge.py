@@ -149,9 +149,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
 
 
 def checkpoint_key(arch, module: str, ckpt: Checkpoint, prefix: str) -> str:
-    """The checkpoint key of a module path's weight: the module tree's names back to the checkpoint's, or the
-    module's own where the checkpoint keeps those (Qwen3.5-MoE's text model saved on its own)."""
-    keys = [prefix + name + ".weight" for name in dict.fromkeys((arch.checkpoint_name(module), module))]
+    """The checkpoint key of a module path's weight, under whichever of its stored names the checkpoint has."""
+    keys = [prefix + name + ".weight" for name in arch.stored_names(module)]
     return next((k for k in keys if k in ckpt.shard_of), keys[0])
 
 

@@ -52,12 +52,12 @@ def _rotary_dim_as_a_factor(raw: dict) -> None:
             raw["partial_rotary_factor"] = rotary / head_dim
 
 
-def checked_source(source: Path) -> tuple[dict, str, str]:
-    """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the experts' published
-    format, the weight-key prefix of its text model), after every check of config.json and the shards' headers
-    that the load makes: the model a prepared directory holds is its text model, with kt_sft's own model_type and
-    no quantization_config (the loader reads quantized weights itself, so to transformers and LLaMA-Factory it is
-    not a quantized model) or remote code."""
+def checked_source(source: Path) -> tuple[dict, str, str, str]:
+    """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the published model_type,
+    the experts' published format, the weight-key prefix of its text model), after every check of config.json and
+    the shards' headers that the load makes: the model a prepared directory holds is its text model, with kt_sft's
+    own model_type and no quantization_config (the loader reads quantized weights itself, so to transformers and
+    LLaMA-Factory it is not a quantized model) or remote code."""
     raw = read_config(source)
     published_type = raw.get("model_type")
     fmt = checkpoint_format(quantization_config_of(raw))
@@ -77,7 +77,7 @@ def checked_source(source: Path) -> tuple[dict, str, str]:
                          "configuration).")
     architecture_of(config)
     check_checkpoint(Checkpoint(source, prefix), config, fmt)
-    return raw, fmt, prefix
+    return raw, published_type, fmt, prefix
 
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
@@ -98,7 +98,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise ValueError(f"--kernels {kernels!r} is not one of {', '.join(KERNEL_SETS)}.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
-    raw, fmt, prefix = checked_source(source)
+    raw, published_type, fmt, prefix = checked_source(source)
     if not any(f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" for f in source.iterdir()):
         raise FileNotFoundError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); LLaMA-Factory reads "
                                 "it from the prepared directory, and without one transformers makes a tokenizer of "
@@ -137,7 +137,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
             old.unlink()
 
     raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
-    raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": read_config(source).get("model_type"),
+    raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type,
                          "threads": threads, "kernels": kernels, "source_format": fmt,
                          "expert_format": expert_format or fmt, "checkpoint_prefix": prefix, "copies": copies,
                          "source_config": file_digest(source / "config.json")}

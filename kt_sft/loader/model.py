@@ -193,7 +193,7 @@ def experts_key_prefixes(arch, layer: int, module: str) -> tuple[str, ...]:
     """What a checkpoint's keys of a layer's routed experts start with: the per-expert layout's prefix, the experts
     module's path (a raw state_dict save of fused experts) and that path under the checkpoint's names (Qwen3.5-MoE
     publishes its experts fused at model.language_model.layers.N.mlp.experts)."""
-    return tuple(dict.fromkeys((arch.experts_prefix(layer), f"{module}.", f"{arch.checkpoint_name(module)}.")))
+    return tuple(dict.fromkeys((arch.experts_prefix(layer), *(f"{name}." for name in arch.stored_names(module)))))
 
 
 def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:

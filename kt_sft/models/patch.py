@@ -42,9 +42,7 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
                 continue
             if name + ".gate_up_proj" in state_dict:
                 continue
-            # Under the checkpoint's names (Mixtral's block_sparse_moe), or the module's where a save keeps those
-            # (Qwen3.5-MoE's text model, saved at model.layers.N where it is published at model.language_model.…).
-            bases = list(dict.fromkeys((arch.checkpoint_name(name) + ".", name + ".")))
+            bases = [stored + "." for stored in arch.stored_names(name)]
             stored = next((b for b in bases if f"{b}0.{arch.checkpoint_projections[0]}.weight" in state_dict), bases[0])
             keys = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
             E, I = module.gate_up_proj.shape[0], module.down_proj.shape[-1]

@@ -64,6 +64,12 @@ class MoEArchitecture:
             module_path = module_path.replace(new, old)
         return module_path
 
+    def stored_names(self, module_path: str) -> tuple[str, ...]:
+        """The names a checkpoint may keep a module tree path under: the checkpoint's (Mixtral's block_sparse_moe,
+        Qwen3.5-MoE's model.language_model.), or the module's own where a save keeps those (Qwen3.5-MoE's text model
+        saved on its own)."""
+        return tuple(dict.fromkeys((self.checkpoint_name(module_path), module_path)))
+
 
 _REGISTRY: dict[str, MoEArchitecture] = {}
 # model_types published with their own remote code that are a registered architecture under another name.
