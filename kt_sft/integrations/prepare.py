@@ -17,14 +17,14 @@ from transformers import CONFIG_MAPPING, AutoConfig
 from .._ext import KERNEL_SETS, _thread_count
 from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
-from ..loader.model import check_checkpoint
+from ..loader.model import check_checkpoint, model_class
 from ..loader.quantization import checkpoint_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from .export import read_config, resolved, text_config
 from .modeling import SETTINGS_KEY, file_digest
 
 SHIM = "modeling_kt_sft.py"
-SHIM_TEXT = '''"""Written by `kt-sft prepare`: routes AutoModelForCausalLM to kt_sft (routed experts on the CPU engine)."""
+SHIM_TEXT = '''"""Written by `kt-sft prepare`: routes the auto class to kt_sft (routed experts on the CPU engine)."""
 from kt_sft.integrations.modeling import KTSFTForCausalLM  # noqa: F401
 '''
 _WEIGHT_FILES = ("model.safetensors.index.json",)
@@ -52,12 +52,13 @@ def _rotary_dim_as_a_factor(raw: dict) -> None:
             raw["partial_rotary_factor"] = rotary / head_dim
 
 
-def checked_source(source: Path) -> tuple[dict, str, str, str]:
+def checked_source(source: Path) -> tuple[dict, str, str, str, str]:
     """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the published model_type,
-    the experts' published format, the weight-key prefix of its text model), after every check of config.json and
-    the shards' headers that the load makes: the model a prepared directory holds is its text model, with kt_sft's
-    own model_type and no quantization_config (the loader reads quantized weights itself, so to transformers and
-    LLaMA-Factory it is not a quantized model) or remote code."""
+    the experts' published format, the weight-key prefix of its text model, the transformers auto class that
+    loads it), after every check of config.json and the shards' headers that the load makes: the model a prepared
+    directory holds is its text model (a whole image-text model where transformers serves one: Qwen3-VL-MoE), with
+    kt_sft's own model_type and no quantization_config (the loader reads quantized weights itself, so to
+    transformers and LLaMA-Factory it is not a quantized model) or remote code."""
     raw = read_config(source)
     published_type = raw.get("model_type")
     fmt = checkpoint_format(quantization_config_of(raw))
@@ -77,7 +78,7 @@ def checked_source(source: Path) -> tuple[dict, str, str, str]:
                          "configuration).")
     architecture_of(config)
     check_checkpoint(Checkpoint(source, prefix), config, fmt)
-    return raw, published_type, fmt, prefix
+    return raw, published_type, fmt, prefix, model_class(config).__name__
 
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
@@ -98,7 +99,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise ValueError(f"--kernels {kernels!r} is not one of {', '.join(KERNEL_SETS)}.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
-    raw, published_type, fmt, prefix = checked_source(source)
+    raw, published_type, fmt, prefix, auto_class = checked_source(source)
     if not any(f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" for f in source.iterdir()):
         raise FileNotFoundError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); LLaMA-Factory reads "
                                 "it from the prepared directory, and without one transformers makes a tokenizer of "
@@ -136,7 +137,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                 or earlier_copy(old) or (old.name.startswith(".") and old.name.endswith(".copying")):
             old.unlink()
 
-    raw["auto_map"] = {"AutoModelForCausalLM": "modeling_kt_sft.KTSFTForCausalLM"}
+    raw["auto_map"] = {auto_class: "modeling_kt_sft.KTSFTForCausalLM"}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type,
                          "threads": threads, "kernels": kernels, "source_format": fmt,
                          "expert_format": expert_format or fmt, "checkpoint_prefix": prefix, "copies": copies,

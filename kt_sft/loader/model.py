@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .._ext import profile_every, require_one_process, require_settings
 from ..formats import QuantizedExperts
 from ..models import architecture_of
+from ..models.registry import text_config_of
 from ..models.patch import accept_per_expert_weights, overlap_with_the_engine
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
@@ -100,13 +101,22 @@ def _check_group_routing(config, E: int, top_k) -> None:
                          "the experts per group; restore the published config.json.")
 
 
+def model_class(config):
+    """The transformers auto class that builds config's model: a causal LM, or an image-text model whose config nests
+    its text model (Qwen3-VL-MoE), which LLaMA-Factory loads through AutoModelForImageTextToText too."""
+    causal, image_text = (c._model_mapping for c in (AutoModelForCausalLM, AutoModelForImageTextToText))
+    return AutoModelForImageTextToText if type(config) not in causal and type(config) in image_text else \
+        AutoModelForCausalLM
+
+
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     """Every expert tensor (and its scales) is present with the shape config.json implies, before any weight
     is read."""
     arch = architecture_of(config)
+    text = text_config_of(config)
     try:
         with init_empty_weights():
-            skeleton = AutoModelForCausalLM.from_config(config)
+            skeleton = model_class(config).from_config(config)
     except (RuntimeError, ValueError, ArithmeticError, TypeError) as e:  # a size no layer can have (vocab_size
         raise ValueError(f"config.json describes no buildable {config.model_type} model "  # -1, 0 heads, ...)
                          f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
@@ -115,14 +125,14 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
-    past = sorted({layer_past_the_model(k, config) for k in ckpt.keys() if not prediction_layer(k, config)} - {None})
+    past = sorted({layer_past_the_model(k, text) for k in ckpt.keys() if not prediction_layer(k, text)} - {None})
     if past:  # the loader would leave those layers out: another model than the checkpoint's
         raise ValueError(f"the checkpoint holds layer {past[-1]} (model.layers.{past[-1]}.…), past the "
-                         f"{config.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
-                         f"{prediction_layers(config)} multi-token-prediction layers after them, by its "
+                         f"{text.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
+                         f"{prediction_layers(text)} multi-token-prediction layers after them, by its "
                          "num_nextn_predict_layers or num_mtp_modules); check that config.json belongs to these "
                          "weights.")
-    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = getattr(text, "num_experts_per_tok", None)
     experts = experts_modules(skeleton, arch)
     if not experts:
         raise arch.no_experts_error(skeleton)
@@ -131,13 +141,13 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         if isinstance(top_k, int) and not 1 <= top_k <= E:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "
                              f"be 1 to {E}.")
-        _check_group_routing(config, E, top_k)
+        _check_group_routing(text, E, top_k)
         extra = weight_keys(fmt, arch.expert_key(layer, E, 0))[0]
         if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
             raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
                              f"{config.model_type} layout gives; check that config.json belongs to these weights.")
         fused = fused_keys(ckpt, arch, layer, name)
-        expected = _check_fused(ckpt, fused, fmt, layer, E, two_i // 2, H) if fused else \
+        expected = _check_fused(ckpt, arch, fused, fmt, layer, E, two_i // 2, H) if fused else \
             _check_per_expert(ckpt, config, arch, fmt, layer, E, two_i // 2, H)
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
@@ -197,8 +207,8 @@ def experts_key_prefixes(arch, layer: int, module: str) -> tuple[str, ...]:
 
 
 def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:
-    """The keys of a layer's experts stored fused, as the transformers 5 module holds them (`gate_up_proj`
-    [E, 2I, H], `down_proj` [E, H, I]), or None where they are stored per expert."""
+    """The keys of a layer's experts stored fused (`gate_up_proj`, `down_proj`: fused_shapes), or None where they
+    are stored per expert."""
     for base in experts_key_prefixes(arch, layer, module):
         keys = (f"{base}gate_up_proj", f"{base}down_proj")
         if any(k in ckpt.shard_of for k in keys):
@@ -206,21 +216,42 @@ def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, st
     return None
 
 
-def _check_fused(ckpt: Checkpoint, keys: tuple[str, str], fmt: str, layer: int, E: int, I: int, H: int) -> set[str]:
+def fused_shapes(arch, E: int, I: int, H: int) -> dict[tuple, bool]:
+    """The shapes a layer's fused experts may be stored in -> whether they are transposed from the transformers 5
+    module's gate_up_proj [E, 2I, H] and down_proj [E, H, I]: the module's, and the transposed ones where the
+    architecture publishes those (Qwen3-VL-MoE; transformers reads both). Never the same pair: that would take
+    H = 2I and H = I at once."""
+    shapes = {((E, 2 * I, H), (E, H, I)): False}
+    if arch.fused_transposed:
+        shapes[(E, H, 2 * I), (E, I, H)] = True
+    return shapes
+
+
+def fused_transposed(ckpt: Checkpoint, arch, keys: tuple[str, str], E: int, I: int, H: int) -> bool:
+    """Whether a layer's fused experts (keys, checked by _check_fused) are stored transposed."""
+    return fused_shapes(arch, E, I, H)[tuple(ckpt.shape(k) for k in keys)]
+
+
+def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer: int, E: int, I: int,
+                 H: int) -> set[str]:
     if fmt != "bf16":
         raise ValueError(f"the checkpoint stores layer {layer}'s {fmt.upper()} routed experts fused ({keys[0]}), where "
                          f"kt_sft reads {fmt.upper()} experts one tensor per expert, as they are published; prepare "
                          "the published checkpoint, or a BF16 one with `--expert-format`.")
-    for key, shape in zip(keys, ((E, 2 * I, H), (E, H, I))):
+    for key in keys:
         if key not in ckpt.shard_of:
             raise ValueError(f"the checkpoint has {keys[1 - keys.index(key)]} but no {key}: a layer's fused experts "
                              "need both; the checkpoint is incomplete: save or download it again.")
         if ckpt.dtype(key) not in _STORED_DTYPES["bf16"][0]:
             raise _stored_dtype_error(key, ckpt.dtype(key), fmt, _STORED_DTYPES["bf16"][0])
-        if ckpt.shape(key) != shape:
-            raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies {list(shape)} (fused "
-                             "experts: [experts, 2 x intermediate, hidden] and [experts, hidden, intermediate]); check "
-                             "that config.json belongs to these weights.")
+    shapes = fused_shapes(arch, E, I, H)
+    stored = tuple(ckpt.shape(k) for k in keys)
+    if stored not in shapes:
+        said = " or ".join(" and ".join(str(list(s)) for s in pair) for pair in shapes)
+        raise ValueError(f"{keys[0]} and {keys[1]} have shapes {list(stored[0])} and {list(stored[1])} but config.json "
+                         f"implies {said} (fused experts: [experts, 2 x intermediate, hidden] and [experts, hidden, "
+                         f"intermediate]{', or transposed' if len(shapes) > 1 else ''}); check that config.json "
+                         "belongs to these weights.")
     return set(keys)
 
 
@@ -232,7 +263,7 @@ def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
     prefixes = tuple(p for name, layer, _ in experts for p in experts_key_prefixes(arch, layer, name))
     skipped = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
     return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
-                                           or prediction_layer(k, model.config) or skipped.search(k))]
+                                           or prediction_layer(k, text_config_of(model.config)) or skipped.search(k))]
 
 
 def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
@@ -279,17 +310,26 @@ def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
 def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str,
                  fused: tuple[str, str] | None = None):
     """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts. fused: the
-    keys of experts stored fused (fused_keys; BF16 or float), read whole, in the engine's layout already."""
+    keys of experts stored fused (fused_keys; BF16 or float): read whole where they are in the engine's layout
+    already, else (transposed) expert by expert."""
     if fused is not None:
+        transposed = fused_transposed(ckpt, arch, fused, E, I, H)
         if target == "bf16":
             gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
-            ckpt.read_into(fused[0], gate_up)
-            ckpt.read_into(fused[1], down)
+            if transposed:
+                for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
+                    gate_up[e].copy_(ckpt.read_slice(fused[0], e).T)
+                    down[e].copy_(ckpt.read_slice(fused[1], e).T)
+            else:
+                ckpt.read_into(fused[0], gate_up)
+                ckpt.read_into(fused[1], down)
             return gate_up, down
         q = QuantizedExperts.empty(target, E, H, I)
         for e in range(E):  # expert by expert: one layer's fused tensors whole would take GBs more RAM
-            gate_up = ckpt.read_slice(fused[0], e)
-            q.set_expert(e, gate_up[:I], gate_up[I:], ckpt.read_slice(fused[1], e))
+            gate_up, e_down = (ckpt.read_slice(k, e) for k in fused)
+            if transposed:
+                gate_up, e_down = gate_up.T, e_down.T
+            q.set_expert(e, gate_up[:I], gate_up[I:], e_down)
         return q
     keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
     if target == "bf16":
@@ -370,7 +410,7 @@ def _refuse_saving(model, fmt: str) -> None:
     model.save_pretrained = refuse
 
 
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
 def layer_past_the_model(key: str, config) -> int | None:
@@ -423,7 +463,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     target = expert_format or fmt
     check_checkpoint(ckpt, config, fmt)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     experts = experts_modules(model, arch)
 
     # Each tensor takes the dtype its parameter or buffer has in the model, or float32 where from_pretrained keeps

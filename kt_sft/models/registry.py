@@ -26,6 +26,9 @@ class MoEArchitecture:
     # the routed experts: they run on the GPU meanwhile (models/overlap.py). None: no shared experts, or the block
     # applies them first (Qwen2-MoE, whose router then waits for them on the same stream).
     shared_experts: str | None = None
+    # Whether the checkpoint stores a layer's experts fused and transposed from the module's layout: gate_up_proj
+    # [E, H, 2I] and down_proj [E, I, H] (Qwen3-VL-MoE as published, and as transformers saves it).
+    fused_transposed: bool = False
 
     def holds_experts(self, module) -> bool:
         """Whether module is this architecture's experts module, or one another library put in its place."""
@@ -106,6 +109,11 @@ def canonical_model_type(model_type: str) -> str:
     return _ALIASES.get(model_type, model_type)
 
 
+def text_config_of(config):
+    """The config of a model's text model: a composite's (Qwen3-VL-MoE's text_config), else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
@@ -115,7 +123,7 @@ def architecture_of(config) -> MoEArchitecture:
                              f"{_ALIASES.get(model_type, 'its text model')} with stock transformers.")
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
-    act = getattr(config, "hidden_act", "silu")
+    act = getattr(text_config_of(config), "hidden_act", "silu")
     if act not in ("silu", "swish"):  # checked here so that loading a checkpoint refuses it too, not only patching
         raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only, so "
                          "kt_sft cannot train this model: use one whose experts use silu.")

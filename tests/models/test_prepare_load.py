@@ -15,7 +15,7 @@ from kt_sft.integrations import modeling
 from kt_sft.loader import model as loader_model
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import CONFIGS, qwen3_5_moe_published, save_checkpoint, tiny_model
+from tiny_models import CONFIGS, auto_class, qwen3_5_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -60,7 +60,7 @@ def test_prepared_model_loads_through_auto_class_and_matches(saved, tmp_path, mo
     (out / "tokenizer_config.json").write_text('{"padding_side": "left"}')
     assert (src / "tokenizer_config.json").read_text() == "{}"
     assert not list(out.glob("*.safetensors"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
+    model = auto_class(model_type).from_pretrained(out, trust_remote_code=True, dtype=torch.float32)
     assert type(model).__name__ == type(stock).__name__
     experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
     assert experts and all(m.gate_up_proj.device.type == "cpu" for m in experts)
@@ -76,8 +76,8 @@ def test_prepared_model_in_bf16_holds_stock_dtypes_and_values(saved, tmp_path, m
     _, src = saved(model_type)
     out = tmp_path / "prepared"
     assert run(["prepare", str(src), str(out)]) == 0
-    stock = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16)
+    stock = auto_class(model_type).from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    model = auto_class(model_type).from_pretrained(out, trust_remote_code=True, dtype=torch.bfloat16)
     compared = 0
     for name, t in model.state_dict().items():
         if name in stock and ".experts." not in name:

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from kt_sft.loader.model import model_class
+
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, hidden_act="silu", tie_word_embeddings=False)
 
@@ -60,6 +62,15 @@ CONFIGS = {
         **COMMON, head_dim=16, moe_intermediate_size=40, shared_expert_intermediate_size=48, num_experts=8,
         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(  # the whole image-text model; ids past the tests' 96
+        text_config={**COMMON, "vocab_size": 100, "head_dim": 16, "moe_intermediate_size": 40, "num_experts": 8,
+                     "num_experts_per_tok": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [2, 3, 3],
+                                                                   "mrope_interleaved": True}},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
@@ -71,7 +82,7 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
     and the CPU engine compute on identical weights."""
     torch.manual_seed(seed)
     config = CONFIGS[model_type]()
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -79,6 +90,11 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
             if "e_score_correction_bias" in name:  # deepseek/glm/minimax: make the bias matter
                 p.normal_(0, 0.1)
     return model.eval()
+
+
+def auto_class(model_type: str):
+    """The transformers auto class that loads a model_type's checkpoint (an image-text one for qwen3_vl_moe)."""
+    return model_class(CONFIGS[model_type]())
 
 
 def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
