@@ -97,6 +97,31 @@ def auto_class(model_type: str):
     return model_class(CONFIGS[model_type]())
 
 
+def image_batch(seed: int, rows: int = 2) -> dict:
+    """A training batch for the tiny qwen3_vl_moe: each row a 16x16 image (4x4 patches, merged 2x2 into 4 image
+    tokens between vision start and end) inside random text; labels skip the image tokens, as LLaMA-Factory's do."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.tensor([98, 96, 96, 96, 96, 99]).expand(rows, -1)
+    ids = torch.cat([torch.randint(0, 96, (rows, 3), generator=g), image, torch.randint(0, 96, (rows, 5), generator=g)], 1)
+    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100), mm_token_type_ids=(ids == 96).long(),
+                pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
+                image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
+
+
+def qwen3_vl_moe_published(path) -> Path:
+    """The tiny qwen3_vl_moe saved as Qwen3-VL-MoE is published: each layer's experts fused and transposed
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H]; transformers 5.6's save_pretrained of a model built from its
+    config writes the module's layout instead). Returns the stock model."""
+    from safetensors.torch import load_file, save_file
+    model = tiny_model("qwen3_vl_moe")
+    save_checkpoint(model, path)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    state = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+             for k, v in state.items()}
+    save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
 def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
     """model.save_pretrained(path), with a stand-in for the tokenizer files that `kt-sft prepare` requires."""
     model.save_pretrained(path)
