@@ -28,10 +28,11 @@ from .modeling import SETTINGS_KEY
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # The name of the module a plain LoRA matrix belongs to, as target_modules lists it.
 _LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_[AB]\.weight$")
-# A stacked expert LoRA tensor: whatever precedes the layers (PEFT's `base_model.model.`), the layer, the experts
-# module inside it, A or B, and the projection.
-STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\."
-                      r"(?P<proj>gate|up|down)$")
+# A stacked expert LoRA tensor: whatever precedes the model's layers (PEFT's `base_model.model.`), the layer (an
+# image-text model's text layers: model.language_model.layers.N), the experts module inside it, A or B, and the
+# projection.
+STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.(?:language_model\.)?layers\.(?P<layer>\d+)\..*experts\."
+                         r"lora_(?P<ab>[AB])\.(?P<proj>gate|up|down)$")
 
 
 def json_object(path: Path, damaged: str, kind: str) -> dict:

@@ -57,7 +57,7 @@ def per_expert_tree(peft_model, arch):
     return root, layers
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe"])  # Qwen3-VL: under language_model.
 def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type, tmp_path):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
@@ -76,7 +76,7 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
     assert not result.unexpected_keys
     assert not [k for k in result.missing_keys if "lora_" in k]
 
-    x = torch.randn(5, peft_model.config.hidden_size)
+    x = torch.randn(5, peft_model.config.get_text_config().hidden_size)
     for layer, experts in layers:
         for e in range(experts.num_experts):
             g, u, d = (per_expert.get_submodule(f"base_model.model.{arch.expert_module(layer, e, p)}")
