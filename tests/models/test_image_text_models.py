@@ -1,13 +1,18 @@
 """Qwen3-VL-MoE served whole: images through the vision tower, text and routed experts through the CPU engine,
 against the stock model (checkpoints as published, fused experts transposed) and against stock transformers + PEFT
 with the same LoRA (test_peft_parity's reference) on batches that hold images."""
+import json
+
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import run
+from kt_sft.formats import fp8_block
 from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, lora_tensors
 from tiny_models import image_batch, qwen3_vl_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, TRAIN_STEPS, rel_l2
@@ -44,7 +49,6 @@ def test_prepared_model_reads_either_fused_layout_and_matches_with_images(tmp_pa
 
 
 def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path):
-    from safetensors.torch import load_file, save_file
     src = tmp_path / "src"
     qwen3_vl_moe_published(src)
     state = load_file(str(src / "model.safetensors"))
@@ -82,3 +86,41 @@ def test_generation_about_an_image_with_the_adapter_matches_the_reference():
                              return_dict_in_generate=True) for m in (kt, ref)]
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel_l2(torch.stack(out[0].logits), torch.stack(out[1].logits)) <= FP32_IO
+
+
+def test_fp8_checkpoint_with_experts_per_expert_loads_and_matches_with_images(tmp_path):
+    # Qwen3-VL-MoE's FP8 releases keep each expert's projections apart (weight + weight_scale_inv per 128x128 block),
+    # the text model's other projections in FP8 too, the vision tower unquantized. The stock model takes the values
+    # the FP8 codes decode to.
+    stock = tiny_model("qwen3_vl_moe")
+    state, out, I = {k: v.clone() for k, v in stock.state_dict().items()}, {}, 40
+
+    def fp8(key, w):
+        q, scale = fp8_block.quantize(w)
+        out[key], out[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+        w.copy_(fp8_block.dequantize(q, scale))
+
+    for key, t in state.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = key.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                for proj, w in ({"gate_proj": t[e, :I], "up_proj": t[e, I:]} if key.endswith("gate_up_proj")
+                                else {"down_proj": t[e]}).items():
+                    fp8(f"{base}.{e}.{proj}.weight", w)
+        elif key.startswith("model.language_model.layers.") and key.endswith("proj.weight"):
+            fp8(key, t)
+        else:
+            out[key] = t
+    stock.load_state_dict(state)
+    src = tmp_path / "fp8"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in out.items()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({**stock.config.to_dict(), "quantization_config": FP8_CONFIG}))
+    (src / "tokenizer_config.json").write_text("{}")
+    assert run(["prepare", str(src), str(tmp_path / "prepared")]) == 0
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                                     dtype=torch.float32)
+    assert all(m.expert_format == "fp8" for m in model.modules() if isinstance(m, KTExpertsLinear))
+    batch = inputs(image_batch(1))
+    with torch.no_grad():
+        assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
