@@ -1,0 +1,93 @@
+"""A tiny Qwen3-VL-MoE as published (no hub access): config, weights with each layer's experts fused and transposed,
+a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video processors and chat template; and a
+dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+# Qwen3-VL's special tokens in its vocabulary's order, at ids 256 on (after the 256 byte tokens).
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+           "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+           "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+EXTRA = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif item['type'] == 'video' %}{%- set content.s = content.s + '<|vision_start|><|video_pad|><|vision_end|>' %}"
+    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- set content = content.s %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+PIXELS = 64 * 64  # a 64x64 image: 4x4 patches of 16 pixels, merged 2x2 into 4 image tokens
+
+
+def _tokenizer():
+    from transformers import Qwen2Tokenizer
+    from tokenizers.pre_tokenizers import ByteLevel
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab.update({t: 256 + i for i, t in enumerate(SPECIAL + EXTRA)})  # in the vocabulary: their ids stay put
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>", split_special_tokens=False)
+    tok.add_special_tokens({"extra_special_tokens": SPECIAL}, replace_extra_special_tokens=False)
+    tok.add_tokens(EXTRA)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def write_qwen3_vl_moe(out: Path, seed: int = 0) -> Path:
+    """hidden 128, 2I = 64 and I = 32 all differ, so a transposed read of the experts cannot pass unnoticed."""
+    from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    tok = _tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    text = dict(vocab_size=288, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"],
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(config)
+    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
+        model.lm_head.weight.normal_(0, 0.15)
+    model.save_pretrained(out)
+    state = load_file(str(out / "model.safetensors"))  # the experts as published: [E, H, 2I] and [E, I, H]
+    save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+               for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+                     do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
+    common = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                  size={"shortest_edge": 32 * 32, "longest_edge": PIXELS})
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**common), tokenizer=tok, chat_template=TEMPLATE,
+                     video_processor=Qwen3VLVideoProcessor(**common)).save_pretrained(out)
+    return out
+
+
+def write_image_data(out: Path) -> Path:
+    """dataset `kt_colours`: one 64x64 image of each colour, asked what colour it is."""
+    from PIL import Image
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, rgb in COLOURS.items():
+        Image.new("RGB", (64, 64), rgb).save(out / f"{name}.png")
+        rows.append({"messages": [{"role": "user", "content": "<image>What colour is this?"},
+                                  {"role": "assistant", "content": f"It is {name}."}],
+                     "images": [str(out / f"{name}.png")]})
+    (out / "colours.json").write_text(json.dumps(rows))
+    (out / "dataset_info.json").write_text(json.dumps({"kt_colours": {
+        "file_name": "colours.json", "formatting": "sharegpt", "columns": {"messages": "messages", "images": "images"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    return out
