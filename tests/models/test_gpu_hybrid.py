@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import tiny_model
+from tiny_models import image_batch, tiny_model
 from tolerances import AUTOCAST_LOSS, BF16_IO, GPU_VS_CPU, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -23,11 +23,13 @@ def lora_model(model_type="qwen3_moe"):
                                             init_lora_weights=False))
 
 
-def step_grads(model, device, autocast):
+def step_grads(model, device, autocast, batch=None):
     model = model.to(device).train()
-    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
+    if batch is None:
+        ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+        batch = dict(input_ids=ids, labels=ids)
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
     loss.backward()
     return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -36,12 +38,14 @@ def step_grads(model, device, autocast):
 # loss 9.2e-4 off; qwen3_moe's agree to 3e-7: BENCHMARKS.md, second session of 2026-12-07).
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "qwen3_next", "minimax_m2", "olmoe", "dots1",
                                         "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open",
-                                        "flex_olmo", "qwen3_5_moe_text"])
+                                        "flex_olmo", "qwen3_5_moe_text", "qwen3_vl_moe", "qwen3_vl_moe+images"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
+    model_type, _, images = model_type.partition("+")  # Qwen3-VL-MoE's vision tower on CUDA too
+    batch = image_batch(0) if images else None
     base = lora_model(model_type)
     gpu = lora_model(model_type)
-    loss_cpu, g_cpu = step_grads(base, torch.device("cpu"), autocast=False)
-    loss_gpu, g_gpu = step_grads(gpu, torch.device("cuda"), autocast=False)
+    loss_cpu, g_cpu = step_grads(base, torch.device("cpu"), autocast=False, batch=batch)
+    loss_gpu, g_gpu = step_grads(gpu, torch.device("cuda"), autocast=False, batch=batch)
     experts = [m for m in gpu.modules() if isinstance(m, KTExpertsLinear)]
     assert experts and all(m.gate_up_proj.device.type == "cpu" for m in experts)
     assert all(m.lora_A["default"]["gate"].device.type == "cpu" for m in experts)
