@@ -1,18 +1,25 @@
 """Qwen3-VL-MoE through the stock `llamafactory-cli`, images included: a tiny checkpoint as published (experts fused
-and transposed, processor and chat template beside it) is prepared, LoRA-trained on questions about images (the
-vision tower on the device beside the model, the routed experts on the CPU engine), and asked about each image with
-the adapter through LLaMA-Factory's chat model: it answers each image's colour as trained."""
+and transposed, processor and chat template beside it) is prepared and LoRA-trained on questions about images (the
+vision tower beside the model's other modules, the routed experts on the CPU engine); LLaMA-Factory's chat model
+with the adapter answers each image's colour as trained, and its export merges the adapter into a checkpoint that
+stock transformers loads with the adapter's logits."""
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
+import transformers
+from peft import PeftModel
 from safetensors import safe_open
 
 from image_text_checkpoint import COLOURS, PIXELS, write_image_data, write_qwen3_vl_moe
 from kt_sft.integrations.prepare import prepare
-from test_llamafactory import losses
+from test_llamafactory import losses, run, write_yaml
 from test_llamafactory_quantized import train_lora
+from tolerances import MERGED_BF16, rel_l2
 
+VISION = dict(template="qwen3_vl_nothink", image_max_pixels=PIXELS, image_min_pixels=32 * 32, trust_remote_code=True)
 # LLaMA-Factory's chat model in a process of its own (as `llamafactory-cli chat` runs), asked about each image.
 ASK = """import json, sys
 from PIL import Image
@@ -25,27 +32,53 @@ for path in args["images"]:
 """
 
 
-def test_lora_on_images_through_llamafactory_answers_each_image(tmp_path):
-    src = write_qwen3_vl_moe(tmp_path / "src")
-    data = write_image_data(tmp_path / "data")
-    prepared = prepare(src, tmp_path / "prepared")
-    out = tmp_path / "run"
-    vision = dict(dataset="kt_colours", template="qwen3_vl_nothink", image_max_pixels=PIXELS,
-                  image_min_pixels=32 * 32, trust_remote_code=True)
-    train_lora(prepared, tmp_path, out, **vision, per_device_train_batch_size=4, num_train_epochs=60,
-               learning_rate=3e-3)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl")
+    prepared = prepare(write_qwen3_vl_moe(root / "src"), root / "prepared")
+    data = write_image_data(root / "data")
+    out = root / "run"
+    train_lora(prepared, root, out, dataset="kt_colours", **VISION, per_device_train_batch_size=4,
+               num_train_epochs=60, learning_rate=3e-3)
+    return root, prepared, data, out
+
+
+def test_lora_on_images_trains_every_layers_experts_and_leaves_the_vision_tower(trained):
+    _, _, _, out = trained
     curve = losses(out)
     assert curve[max(curve)] < 0.2 * curve[min(curve)], curve
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
         keys = list(f.keys())
-    layers = {k.split("layers.")[1].split(".")[0] for k in keys if ".mlp.experts.lora_" in k}
-    assert layers == {"0", "1"}  # every layer's experts trained on the CPU engine
-    assert not [k for k in keys if ".visual." in k]  # the vision tower stays frozen (LLaMA-Factory's default)
+    assert {k.split("layers.")[1].split(".")[0] for k in keys if ".mlp.experts.lora_" in k} == {"0", "1"}
+    assert not [k for k in keys if ".visual." in k]  # frozen: LLaMA-Factory's freeze_vision_tower default
 
+
+def test_chat_with_the_adapter_answers_each_image_as_trained(trained):
+    root, prepared, data, out = trained
     model = {"model_name_or_path": str(prepared), "adapter_name_or_path": str(out), "finetuning_type": "lora",
-             **vision, "infer_dtype": "float32"}
+             **VISION, "infer_dtype": "float32"}
     p = subprocess.run([sys.executable, "-c", ASK, json.dumps({"model": model, "images": [
-        str(data / f"{name}.png") for name in COLOURS]})], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        str(data / f"{name}.png") for name in COLOURS]})], capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     replies = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('"')]
     assert replies == [f"It is {name}." for name in COLOURS], replies
+
+
+def test_export_merges_the_adapter_into_a_checkpoint_stock_transformers_loads(trained):
+    root, prepared, data, out = trained
+    (root / "none.yaml").write_text("{}\n")
+    run(["export", str(write_yaml(root / "export.yaml", root / "none.yaml", model_name_or_path=str(prepared),
+                                  adapter_name_or_path=str(out), finetuning_type="lora", export_dir=str(root / "merged"),
+                                  export_device="cpu", **VISION))], root)
+    processor = transformers.AutoProcessor.from_pretrained(root / "merged")
+    from PIL import Image
+    batch = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image", "image": Image.open(data / "red.png")},
+                                      {"type": "text", "text": "What colour is this?"}]}],
+        tokenize=True, return_dict=True, return_tensors="pt", add_generation_prompt=True)
+    stock = transformers.AutoModelForImageTextToText.from_pretrained(root / "merged", dtype=torch.float32)  # no kt_sft
+    assert not any("KT" in type(m).__name__ for m in stock.modules())
+    adapter = PeftModel.from_pretrained(transformers.AutoModelForImageTextToText.from_pretrained(
+        prepared, trust_remote_code=True, dtype=torch.float32), out)
+    with torch.no_grad():
+        assert rel_l2(stock(**batch).logits, adapter(**batch).logits) <= MERGED_BF16
