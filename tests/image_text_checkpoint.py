@@ -1,5 +1,5 @@
-"""A tiny Qwen3-VL-MoE as published (no hub access): config, weights with each layer's experts fused and transposed,
-a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video processors and chat template; and a
+"""A tiny Qwen3-VL-MoE or Qwen3.5-MoE as published (no hub access): config, weights with each layer's experts fused
+(Qwen3-VL-MoE's transposed), a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video processors and chat template; and a
 dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
 from __future__ import annotations
 
@@ -41,9 +41,12 @@ def _tokenizer():
     return tok
 
 
-def write_qwen3_vl_moe(out: Path, seed: int = 0) -> Path:
-    """hidden 128, 2I = 64 and I = 32 all differ, so a transposed read of the experts cannot pass unnoticed."""
-    from transformers import GenerationConfig, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration, Qwen3VLProcessor
+def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int = 0) -> Path:
+    """A tiny qwen3_vl_moe or qwen3_5_moe (gated DeltaNet and gated attention layers, its experts fused as the module
+    holds them). Hidden 128, 2I = 64 and I = 32 all differ, so a transposed read of the experts cannot pass
+    unnoticed."""
+    import transformers
+    from transformers import GenerationConfig, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
     tok = _tokenizer()
@@ -54,18 +57,28 @@ def write_qwen3_vl_moe(out: Path, seed: int = 0) -> Path:
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
-    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64)
+    if model_type == "qwen3_vl_moe":
+        config_class, model_class = transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration
+        vision["deepstack_visual_indexes"] = [0, 1]
+    else:
+        config_class, model_class = transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration
+        text.update(shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16)
+        text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = Qwen3VLMoeForConditionalGeneration(config)
+    model = model_class(config)
     with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
         model.lm_head.weight.normal_(0, 0.15)
     model.save_pretrained(out)
-    state = load_file(str(out / "model.safetensors"))  # the experts as published: [E, H, 2I] and [E, I, H]
-    save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
-               for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if model_type == "qwen3_vl_moe":  # the experts as published: [E, H, 2I] and [E, I, H]
+        state = load_file(str(out / "model.safetensors"))
+        save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else v for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
                      do_sample=False).save_pretrained(out)
     tok.save_pretrained(out)

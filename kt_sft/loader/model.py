@@ -102,11 +102,10 @@ def _check_group_routing(config, E: int, top_k) -> None:
 
 
 def model_class(config):
-    """The transformers auto class that builds config's model: a causal LM, or an image-text model whose config nests
-    its text model (Qwen3-VL-MoE), which LLaMA-Factory loads through AutoModelForImageTextToText too."""
-    causal, image_text = (c._model_mapping for c in (AutoModelForCausalLM, AutoModelForImageTextToText))
-    return AutoModelForImageTextToText if type(config) not in causal and type(config) in image_text else \
-        AutoModelForCausalLM
+    """The transformers auto class that builds config's model: an image-text model where its config is one (Qwen3-VL-MoE,
+    Qwen3.5-MoE: the config nests the text model's), else a causal LM; LLaMA-Factory picks the same way."""
+    image_text = type(config) in AutoModelForImageTextToText._model_mapping
+    return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 
 
 def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:

@@ -1,5 +1,5 @@
-"""Qwen3-VL-MoE through the stock `llamafactory-cli`, images included: a tiny checkpoint as published (experts fused
-and transposed, processor and chat template beside it) is prepared and LoRA-trained on questions about images (the
+"""Qwen3-VL-MoE and Qwen3.5-MoE through the stock `llamafactory-cli`, images included: a tiny checkpoint as published
+(experts fused, Qwen3-VL-MoE's transposed; processor and chat template beside it) is prepared and LoRA-trained on questions about images (the
 vision tower beside the model's other modules, the routed experts on the CPU engine); LLaMA-Factory's chat model
 with the adapter answers each image's colour as trained, and its export merges the adapter into a checkpoint that
 stock transformers loads with the adapter's logits."""
@@ -13,13 +13,14 @@ import transformers
 from peft import PeftModel
 from safetensors import safe_open
 
-from image_text_checkpoint import COLOURS, PIXELS, write_image_data, write_qwen3_vl_moe
+from image_text_checkpoint import COLOURS, PIXELS, write_image_data, write_image_text_moe
 from kt_sft.integrations.prepare import prepare
 from test_llamafactory import losses, run, write_yaml
 from test_llamafactory_quantized import train_lora
 from tolerances import MERGED_BF16, rel_l2
 
-VISION = dict(template="qwen3_vl_nothink", image_max_pixels=PIXELS, image_min_pixels=32 * 32, trust_remote_code=True)
+VISION = dict(image_max_pixels=PIXELS, image_min_pixels=32 * 32, trust_remote_code=True)
+TEMPLATES = {"qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink"}
 # LLaMA-Factory's chat model in a process of its own (as `llamafactory-cli chat` runs), asked about each image.
 ASK = """import json, sys
 from PIL import Image
@@ -32,19 +33,20 @@ for path in args["images"]:
 """
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vl")
-    prepared = prepare(write_qwen3_vl_moe(root / "src"), root / "prepared")
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def trained(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(request.param)
+    prepared = prepare(write_image_text_moe(root / "src", request.param), root / "prepared")
     data = write_image_data(root / "data")
     out = root / "run"
-    train_lora(prepared, root, out, dataset="kt_colours", **VISION, per_device_train_batch_size=4,
+    vision = {**VISION, "template": TEMPLATES[request.param]}
+    train_lora(prepared, root, out, dataset="kt_colours", **vision, per_device_train_batch_size=4,
                num_train_epochs=60, learning_rate=3e-3)
-    return root, prepared, data, out
+    return root, prepared, data, out, vision
 
 
 def test_lora_on_images_trains_every_layers_experts_and_leaves_the_vision_tower(trained):
-    _, _, _, out = trained
+    out = trained[3]
     curve = losses(out)
     assert curve[max(curve)] < 0.2 * curve[min(curve)], curve
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
@@ -54,9 +56,9 @@ def test_lora_on_images_trains_every_layers_experts_and_leaves_the_vision_tower(
 
 
 def test_chat_with_the_adapter_answers_each_image_as_trained(trained):
-    root, prepared, data, out = trained
+    root, prepared, data, out, vision = trained
     model = {"model_name_or_path": str(prepared), "adapter_name_or_path": str(out), "finetuning_type": "lora",
-             **VISION, "infer_dtype": "float32"}
+             **vision, "infer_dtype": "float32"}
     p = subprocess.run([sys.executable, "-c", ASK, json.dumps({"model": model, "images": [
         str(data / f"{name}.png") for name in COLOURS]})], capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -65,11 +67,11 @@ def test_chat_with_the_adapter_answers_each_image_as_trained(trained):
 
 
 def test_export_merges_the_adapter_into_a_checkpoint_stock_transformers_loads(trained):
-    root, prepared, data, out = trained
+    root, prepared, data, out, vision = trained
     (root / "none.yaml").write_text("{}\n")
     run(["export", str(write_yaml(root / "export.yaml", root / "none.yaml", model_name_or_path=str(prepared),
                                   adapter_name_or_path=str(out), finetuning_type="lora", export_dir=str(root / "merged"),
-                                  export_device="cpu", **VISION))], root)
+                                  export_device="cpu", **vision))], root)
     processor = transformers.AutoProcessor.from_pretrained(root / "merged")
     from PIL import Image
     batch = processor.apply_chat_template(

@@ -18,7 +18,7 @@ from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import kimi_k25_checkpoint
-from tiny_models import qwen3_5_moe_published, save_checkpoint, tiny_model
+from tiny_models import save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -57,7 +57,8 @@ def per_expert_tree(peft_model, arch):
     return root, layers
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe"])  # Qwen3-VL: under language_model.
+# Qwen3-VL-MoE's and Qwen3.5-MoE's under model.language_model.
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe", "qwen3_5_moe"])
 def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type, tmp_path):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
@@ -173,16 +174,13 @@ def test_what_a_killed_export_left_is_kept(tmp_path):
     assert (tmp_path / ".out.exporting" / "notes.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("composite", ["kimi_k25", "qwen3_5_moe"])
-def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_path, composite):
-    """Kimi-K2.5's text model sits under `language_model.`, Qwen3.5-MoE's under `model.language_model.`: the
-    published checkpoint, its prepared directory (its text model's config.json) and the adapter's recorded base
-    (that prepared directory) are all refused alike (Qwen3.5-MoE's had been sent to `kt-sft prepare`)."""
-    if composite == "kimi_k25":
-        save_checkpoint(tiny_model("deepseek_v3"), tmp_path / "bf16")
-        src = kimi_k25_checkpoint(tmp_path / "bf16", tmp_path / "k25")
-    else:
-        src = qwen3_5_moe_published(tiny_model("qwen3_5_moe_text"), tmp_path / "q35")
+def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_path):
+    """Kimi-K2.5's text model sits under `language_model.`, served as its text model: the published checkpoint, its
+    prepared directory (its text model's config.json) and the adapter's recorded base (that prepared directory) are
+    all refused alike."""
+    composite = "kimi_k25"
+    save_checkpoint(tiny_model("deepseek_v3"), tmp_path / "bf16")
+    src = kimi_k25_checkpoint(tmp_path / "bf16", tmp_path / "k25")
     prepared = tmp_path / "prepared"
     assert run(["prepare", str(src), str(prepared)]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(prepared, trust_remote_code=True, dtype=torch.float32)

@@ -1,6 +1,7 @@
-"""Qwen3-VL-MoE served whole: images through the vision tower, text and routed experts through the CPU engine,
-against the stock model (checkpoints as published, fused experts transposed) and against stock transformers + PEFT
-with the same LoRA (test_peft_parity's reference) on batches that hold images."""
+"""Image-text MoE models served whole (Qwen3-VL-MoE, Qwen3.5-MoE): images through the vision tower, text and routed
+experts through the CPU engine, against the stock model (checkpoints as published: Qwen3-VL-MoE's fused experts
+transposed, Qwen3.5-MoE's as the module holds them) and against stock transformers + PEFT with the same LoRA
+(test_peft_parity's reference) on batches that hold images."""
 import json
 
 import pytest
@@ -14,7 +15,8 @@ from kt_sft.formats import fp8_block
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, lora_tensors
-from tiny_models import image_batch, qwen3_vl_moe_published, save_checkpoint, tiny_model
+from kt_sft.loader import model as loader_model
+from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, TRAIN_STEPS, rel_l2
 
 INPUTS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -48,6 +50,25 @@ def test_prepared_model_reads_either_fused_layout_and_matches_with_images(tmp_pa
     assert rel_l2(text_only, want) > 0.1  # the images reach the logits
 
 
+def test_qwen3_5_moe_as_published_serves_the_whole_model_reading_its_experts_once(tmp_path, monkeypatch):
+    # The text model's weights under model.language_model., its experts fused, lm_head, the vision tower and the
+    # multi-token-prediction module beside them (mtp.*, skipped).
+    stock = qwen3_5_moe_published(tmp_path / "published")
+    assert run(["prepare", str(tmp_path / "published"), str(tmp_path / "out")]) == 0
+    read = []
+    real = loader_model.read_weight
+    monkeypatch.setattr(loader_model, "read_weight", lambda ckpt, key, *a: read.append(key) or real(ckpt, key, *a))
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                                     dtype=torch.float32)
+    assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
+    assert read and not [k for k in read if ".experts." in k]  # the experts are read into the engine only, once
+    assert not [k for k in read if k.startswith("mtp.")]
+    batch = inputs(image_batch(0))
+    with torch.no_grad():
+        assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
+
+
 def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path):
     src = tmp_path / "src"
     qwen3_vl_moe_published(src)
@@ -60,8 +81,9 @@ def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path
         run(["prepare", str(src), str(tmp_path / "prepared")])
 
 
-def test_lora_training_steps_with_images_match_reference():
-    kt, ref = kt_and_reference("qwen3_vl_moe")
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_lora_training_steps_with_images_match_reference(model_type):
+    kt, ref = kt_and_reference(model_type)
     names = lora_tensors(kt)
     assert set(names) == set(lora_tensors(ref)) and any("experts.lora_A" in n for n in names)
     opts = [torch.optim.AdamW(lora_tensors(m).values(), lr=1e-3) for m in (kt, ref)]
@@ -79,8 +101,9 @@ def test_lora_training_steps_with_images_match_reference():
         assert rel_l2(t, ref_t[name]) <= TRAIN_STEPS, name
 
 
-def test_generation_about_an_image_with_the_adapter_matches_the_reference():
-    kt, ref = kt_and_reference("qwen3_vl_moe")
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_generation_about_an_image_with_the_adapter_matches_the_reference(model_type):
+    kt, ref = kt_and_reference(model_type)
     batch = inputs(image_batch(3, rows=1))
     out = [m.eval().generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
                              return_dict_in_generate=True) for m in (kt, ref)]

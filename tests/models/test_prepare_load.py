@@ -12,10 +12,9 @@ from safetensors.torch import load_file, save_file
 import kt_sft
 from kt_sft.cli import run
 from kt_sft.integrations import modeling
-from kt_sft.loader import model as loader_model
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import CONFIGS, auto_class, qwen3_5_moe_published, save_checkpoint, tiny_model
+from tiny_models import CONFIGS, auto_class, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -122,24 +121,6 @@ def test_minimax_m2s_rotary_dim_is_read_as_its_partial_rotary_factor(tmp_path, w
     assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
                                                               dtype=torch.float32)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
-
-
-def test_qwen3_5_moe_as_published_serves_its_text_model(saved, tmp_path, monkeypatch):
-    # Published as a composite: the text model's weights under model.language_model., its experts fused, lm_head,
-    # the vision tower and the multi-token-prediction module beside them; config.json nests the text config.
-    stock, _ = saved("qwen3_5_moe_text")
-    src = qwen3_5_moe_published(stock, tmp_path / "published")
-    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
-    read = []
-    real = loader_model.read_weight
-    monkeypatch.setattr(loader_model, "read_weight", lambda ckpt, key, *a: read.append(key) or real(ckpt, key, *a))
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
-                                                              dtype=torch.float32)
-    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
-    assert read and not [k for k in read if ".experts." in k]  # the experts are read into the engine only, once
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO

@@ -1,7 +1,6 @@
 """Tiny random-initialized transformers MoE models of each supported architecture (no hub access)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -62,6 +61,16 @@ CONFIGS = {
         **COMMON, head_dim=16, moe_intermediate_size=40, shared_expert_intermediate_size=48, num_experts=8,
         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeConfig(  # the whole image-text model, as qwen3_vl_moe's below
+        text_config={**COMMON, "vocab_size": 100, "head_dim": 16, "moe_intermediate_size": 40,
+                     "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
+                     "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16),
+        image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
     "qwen3_vl_moe": lambda: transformers.Qwen3VLMoeConfig(  # the whole image-text model; ids past the tests' 96
         text_config={**COMMON, "vocab_size": 100, "head_dim": 16, "moe_intermediate_size": 40, "num_experts": 8,
                      "num_experts_per_tok": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -108,7 +117,7 @@ def image_batch(seed: int, rows: int = 2) -> dict:
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
 
 
-def qwen3_vl_moe_published(path) -> Path:
+def qwen3_vl_moe_published(path) -> transformers.PreTrainedModel:
     """The tiny qwen3_vl_moe saved as Qwen3-VL-MoE is published: each layer's experts fused and transposed
     (gate_up_proj [E, H, 2I], down_proj [E, I, H]; transformers 5.6's save_pretrained of a model built from its
     config writes the module's layout instead). Returns the stock model."""
@@ -128,18 +137,15 @@ def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
     (Path(path) / "tokenizer_config.json").write_text("{}")
 
 
-def qwen3_5_moe_published(model: transformers.PreTrainedModel, path) -> Path:
-    """A tiny Qwen3.5-MoE laid out as published: `model` (a qwen3_5_moe_text model) as the text model, its weights
-    under model.language_model. with the experts fused, lm_head, a vision tower and a multi-token-prediction
-    module beside them, and config.json nesting the text config."""
-    from safetensors.torch import save_file
-    path = Path(path)
-    path.mkdir(parents=True)
-    state = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v.contiguous()
-             for k, v in model.state_dict().items()}
-    save_file({**state, "model.visual.patch_embed.proj.weight": torch.ones(8, 8), "mtp.fc.weight": torch.ones(8, 8)},
-              str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": model.config.to_dict(),
-                                                  "vision_config": {"depth": 1}}))
-    (path / "tokenizer_config.json").write_text("{}")
-    return path
+def qwen3_5_moe_published(path) -> transformers.PreTrainedModel:
+    """The tiny qwen3_5_moe saved as Qwen3.5-MoE is published: the whole image-text model, each layer's experts fused
+    as the module holds them, and a multi-token-prediction module (`mtp.*`, which transformers skips) beside them.
+    Returns the stock model."""
+    from safetensors.torch import load_file, save_file
+    model = tiny_model("qwen3_5_moe")
+    save_checkpoint(model, path)
+    state = load_file(str(Path(path) / "model.safetensors"))
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({**state, "mtp.fc.weight": torch.ones(8, 8)}, str(Path(path) / "model.safetensors"),
+              metadata={"format": "pt"})
+    return model
