@@ -185,6 +185,16 @@ def check_trained_on(adapter_dir: Path, config: dict, model_type: str, given: st
                          f"model; {command} it with the model it was trained on.")
 
 
+def expert_sizes(model: dict) -> tuple:
+    """(experts per layer, hidden size, the experts' intermediate size) from a model's config.json (its text model's,
+    whichever of the architectures' names it uses; None where it gives none)."""
+    text = model.get("text_config") or model
+    experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
+    # The experts' own width: Mixtral names it intermediate_size, the others (whose intermediate_size is their
+    # dense layers') moe_intermediate_size.
+    return experts, text.get("hidden_size"), text.get("moe_intermediate_size", text.get("intermediate_size"))
+
+
 def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
     """A stacked expert LoRA tensor (m: its STACKED_KEY match), [E, r, in] (A) or [E, out, r] (B), against the
     adapter's rank and the model's expert count and hidden size (whichever of the architectures' names the config
@@ -193,12 +203,7 @@ def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
         raise ValueError(f"the adapter's {m.string} is shaped {list(t.shape)}, not a rank-{r} stack of expert LoRA "
                          f"matrices ({'[E, r, in]' if m['ab'] == 'A' else '[E, out, r]'}) as its adapter_config.json "
                          "says; the file and the config do not belong together.")
-    text = model.get("text_config") or model
-    experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
-    H = text.get("hidden_size")
-    # The experts' own width: Mixtral names it intermediate_size, the others (whose intermediate_size is their
-    # dense layers') moe_intermediate_size.
-    I = text.get("moe_intermediate_size", text.get("intermediate_size"))
+    experts, H, I = expert_sizes(model)
     proj, ab = m["proj"], m["ab"]
     width = t.shape[2] if ab == "A" else t.shape[1]
     # A of gate/up and B of down meet H; B of gate/up and A of down meet I.

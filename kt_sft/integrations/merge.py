@@ -7,8 +7,11 @@ INT4: compressed-tensors' symmetric max/7.5), so codes the update does not move 
 `requantize`). This is the way to a merged FP8 or INT4 model: `llamafactory-cli export` merges into BF16 experts
 only, and holds the whole model in RAM.
 
+Experts stored fused (Qwen3.5-MoE's `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; Qwen3-VL-MoE's transposed)
+get each expert's update added to its slice of the fused tensor, in place, and stay fused.
+
 The merge reads and writes one shard at a time (RAM: about one shard, plus the float32 copy of the weight being
-merged): the same shard files and index, the published config.json (its quantization_config kept), the other
+merged, or a layer's fused experts tensor): the same shard files and index, the published config.json (its quantization_config kept), the other
 top-level files that are not weights (tokenizer, generation config, remote code), and every tensor the adapter does
 not touch copied unchanged. It writes into a temporary directory
 beside out-dir and renames it at the end, so a failure leaves no half-written model.
@@ -31,10 +34,11 @@ import torch
 
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
+from ..loader.model import fused_transposed
 from ..loader.quantization import read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
-from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on,
+from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, expert_sizes,
                      prepared_settings, read_config, require_new_dir, resolved, text_config, written_beside)
 from .prepare import checked_source
 
@@ -48,6 +52,19 @@ _PLAIN_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\
 # place of the model's.
 _BASE_COPY_KEY = re.compile(r"^base_model\.model\.(?P<module>(?:(?!lora_|modules_to_save).)+?)(?:\.base_layer)?"
                             r"\.weight$")
+
+
+@dataclass(frozen=True)
+class FusedSlice:
+    """One expert's projection inside a layer's fused experts tensor `key` (gate_up_proj: gate, then up; down_proj),
+    stored as the module holds it or transposed."""
+    key: str
+    expert: int
+    proj: int  # PROJECTIONS' index
+    transposed: bool
+
+    def __str__(self) -> str:
+        return f"expert {self.expert}'s {PROJECTIONS[self.proj]} in {self.key}"
 
 
 @dataclass
@@ -92,9 +109,10 @@ BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 
 
 def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path,
-                    ckpt: Checkpoint) -> dict[str, tuple]:
+                    ckpt: Checkpoint) -> dict[str | FusedSlice, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
-    kt_sft's stacked expert LoRA at each expert's published weight (checked against the model's experts, and the
+    kt_sft's stacked expert LoRA at each expert's published weight or fused slice (expert_weight; checked against
+    the model's experts, and the
     model, as given in model_dir, against the architecture the adapter was trained on). Whole base weights the
     adapter carries must be the checkpoint's (check_base_copy)."""
     config = adapter_config(adapter_dir)
@@ -122,7 +140,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                 t = f.get_tensor(key)
                 check_stacked(stacked, t, model, config["r"])
                 for e in range(t.shape[0]):
-                    weight = prefix + arch.expert_key(int(stacked["layer"]), e, PROJECTIONS.index(stacked["proj"]))
+                    weight = expert_weight(ckpt, arch, model, prefix, int(stacked["layer"]), e,
+                                           PROJECTIONS.index(stacked["proj"]))
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
                 weight = checkpoint_key(arch, plain["module"], ckpt, prefix)
@@ -142,10 +161,52 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                              "adapter file is incomplete.")
         if ab["A"].dim() != 2 or ab["B"].dim() != 2 or ab["A"].shape[0] != config["r"] or ab["B"].shape[1] != config["r"]:
             raise ValueError(f"adapter_config.json gives r = {config['r']}, but the LoRA on "
-                             f"{weight.removesuffix('.weight')} is A {list(ab['A'].shape)}, B {list(ab['B'].shape)}; the "
+                             f"{str(weight).removesuffix('.weight')} is A {list(ab['A'].shape)}, B {list(ab['B'].shape)}; the "
                              "config does not belong to these weights.")
         updates[weight] = (ab["B"], ab["A"], scaling)
     return updates
+
+
+def expert_weight(ckpt: Checkpoint, arch, model: dict, prefix: str, layer: int, expert: int,
+                  proj: int) -> str | FusedSlice:
+    """Where the checkpoint keeps an expert's projection: its own weight key, or its slice of the layer's fused
+    experts (under the checkpoint's name of the experts module, or the module's own)."""
+    weight = prefix + arch.expert_key(layer, expert, proj)
+    if weight in ckpt.shard_of:
+        return weight
+    for name in arch.stored_names(arch.experts_prefix(layer).removesuffix(".")):
+        keys = (f"{prefix}{name}.gate_up_proj", f"{prefix}{name}.down_proj")
+        if keys[0] in ckpt.shard_of:  # both, with the shapes of one layout: checked_source checked them
+            E, H, I = expert_sizes(model)
+            return FusedSlice(keys[proj == 2], expert, proj, fused_transposed(ckpt, arch, keys, E, I, H))
+    return weight  # stored_format names it as missing
+
+
+def merged_fused(ckpt: Checkpoint, key: str, slices: list[tuple[FusedSlice, tuple]],
+                 report: MergeReport) -> dict[str, torch.Tensor]:
+    """A layer's fused experts tensor with each expert's update added to its slice, rounded once to the stored
+    dtype."""
+    t = ckpt.get(key)
+    for where, (b, a, scaling) in slices:
+        view = t[where.expert].T if where.transposed else t[where.expert]  # [out, in], as a per-expert weight
+        if where.proj < 2:  # gate_up_proj: the gate's rows, then the up's
+            half = view.shape[0] // 2
+            view = view[:half] if where.proj == 0 else view[half:]
+        if (b.shape[0], a.shape[1]) != tuple(view.shape):
+            raise ValueError(f"the adapter's LoRA on expert {where.expert}'s {PROJECTIONS[where.proj]} makes a "
+                             f"{b.shape[0]}x{a.shape[1]} update for a {list(view.shape)} weight of {key}; it was "
+                             "trained on another model.")
+        w = view.to(torch.float32)
+        delta = scaling * (b.to(torch.float32) @ a.to(torch.float32))
+        new = w + delta
+        if not torch.isfinite(new).all():
+            raise ValueError(f"merging the adapter would put NaN/Inf into {key} (expert {where.expert}), or the "
+                             "checkpoint holds them there; nothing was written.")
+        view.copy_(new)
+        back = view.to(torch.float32)
+        report.add(str(t.dtype).removeprefix("torch."), float((back - w - delta).double().square().sum()),
+                   float(delta.double().square().sum()))
+    return {key: t}
 
 
 def checkpoint_key(arch, module: str, ckpt: Checkpoint, prefix: str) -> str:
@@ -262,16 +323,15 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     if out_dir == resolved(source):
         raise ValueError("the merged model cannot overwrite the checkpoint it is made from; choose another out-dir.")
     ckpt = Checkpoint(source)
-    fused = sorted(k for k in ckpt.keys() if k.endswith(".experts.gate_up_proj"))
-    if fused:
-        raise ValueError(f"the checkpoint stores its routed experts fused ({fused[0]}), where kt-sft merge reads and "
-                         "writes them one tensor per expert; merge the adapter with `llamafactory-cli export` instead "
-                         "(nothing was written).")
     updates = adapter_updates(Path(adapter_dir), model, prefix, Path(model_dir), ckpt)
+    fused: dict[str, list[tuple[FusedSlice, tuple]]] = {}  # a layer's fused experts tensor -> its experts' updates
+    for where in [w for w in updates if isinstance(w, FusedSlice)]:
+        fused.setdefault(where.key, []).append((where, updates.pop(where)))
     shards = shard_contents(ckpt)
     formats = {weight: stored_format(ckpt, weight) for weight in updates}
     # Stored key -> the merged weight it belongs to.
     owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
+    owner.update({key: key for key in fused})
     report = MergeReport(out_dir)
     with written_beside(out_dir, "merge", "merging") as tmp:
         pending: dict[str, dict[str, torch.Tensor]] = {}  # merged weights whose stored keys are not all written yet
@@ -285,7 +345,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
                         tensors[key] = f.get_tensor(key)
                         continue
                     if weight not in pending:
-                        pending[weight] = merged_weight(ckpt, weight, formats[weight], updates[weight], report)
+                        pending[weight] = merged_fused(ckpt, weight, fused[weight], report) if weight in fused else \
+                            merged_weight(ckpt, weight, formats[weight], updates[weight], report)
                     tensors[key] = pending[weight].pop(key)
                     if not pending[weight]:
                         del pending[weight]

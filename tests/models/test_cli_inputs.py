@@ -200,17 +200,19 @@ def test_merge_refuses_an_adapter_trained_on_a_model_with_other_experts(adapter,
     assert not (tmp_path / "out").exists()
 
 
-def test_merge_refuses_a_checkpoint_whose_experts_are_stored_fused(adapter, tmp_path):
-    # It had said the adapter's expert LoRA names no weight of the checkpoint ("merge it into the model it was
-    # trained on").
+def test_merge_into_experts_stored_fused_gives_what_the_per_expert_merge_gives(adapter, tmp_path):
+    # Refused before (and it had said, earlier still, that the expert LoRA names no weight of the checkpoint). Each
+    # expert's update goes into its slice of the fused tensors, which stay fused.
     model_dir, adapter_dir = adapter
     other = tmp_path / "fused"
     shutil.copytree(model_dir, other)
     fused_copy(other)
-    with pytest.raises(ValueError, match=r"stores its routed experts fused \(model.layers.0.mlp.experts.gate_up_proj"
-                                         r".*merge the adapter with `llamafactory-cli export`"):
-        run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")])
-    assert not (tmp_path / "out").exists()
+    assert run(["merge", str(model_dir), str(adapter_dir), str(tmp_path / "per_expert")]) == 0
+    assert run(["merge", str(other), str(adapter_dir), str(tmp_path / "out")]) == 0
+    want = fused_copy(tmp_path / "per_expert")
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def indexed_copy(model_dir, tmp_path, shard_name):

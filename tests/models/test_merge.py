@@ -18,12 +18,13 @@ from kt_sft.formats import fp8_block, int4_group
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.loader.quantization import COMPANION_SUFFIXES, read_weight
-from kt_sft.models import architecture_of
+from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import kimi_k25_checkpoint
 from test_export_adapter import trained_adapter
 from test_quantized_models import IDS, LORA_TARGETS, load, published  # noqa: F401 (published: the fixture)
+from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -62,6 +63,29 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(
         p.name for p in model_dir.iterdir()
         if p.name not in ("consolidated.00.pth", "original", "model.safetensors.index.json"))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_image_text_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
+    # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed: each
+    # expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
+    (qwen3_vl_moe_published if model_type == "qwen3_vl_moe" else qwen3_5_moe_published)(tmp_path / "model")
+    model = tiny_model(model_type)  # the published weights
+    use_cpu_experts(model)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(model.requires_grad_(False), lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert run(["merge", str(tmp_path / "model"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    before, after = Checkpoint(tmp_path / "model"), Checkpoint(tmp_path / "merged")
+    assert set(before.keys()) == set(after.keys())
+    assert all(before.shape(k) == after.shape(k) for k in before.keys())
+    changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
+    assert {k for k in changed if "experts" in k} == {f"model.language_model.layers.{n}.mlp.experts.{p}"
+                                                      for n in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    batch = {k: v for k, v in image_batch(0).items() if k != "labels"}
+    with torch.no_grad():
+        assert rel_l2(merged(**batch).logits, peft_model(**batch).logits) <= FP32_IO
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
