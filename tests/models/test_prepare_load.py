@@ -257,8 +257,8 @@ def test_fused_experts_that_disagree_with_the_config_are_named(saved, tmp_path):
     key = "model.layers.1.mlp.experts.down_proj"
     save_file({**state, key: state[key][:, :, :-1].contiguous()}, str(src / "model.safetensors"),
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=re.escape(key) + r" has shape \[8, 64, 39\] but config.json implies "
-                                         r"\[8, 64, 40\] \(fused experts"):
+    with pytest.raises(ValueError, match=re.escape(key) + r" have shapes \[8, 80, 64\] and \[8, 64, 39\] but "
+                                         r"config.json implies \[8, 80, 64\] and \[8, 64, 40\] \(fused experts"):
         run(["prepare", str(src), str(tmp_path / "out")])
     save_file({k: v for k, v in state.items() if k != key}, str(src / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"has model.layers.1.mlp.experts.gate_up_proj but no " + re.escape(key)):

@@ -117,18 +117,32 @@ def image_batch(seed: int, rows: int = 2) -> dict:
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
 
 
+def _published(model_type: str, path, transposed: bool = False, **extra) -> transformers.PreTrainedModel:
+    """The tiny model_type saved with its weights under the module tree's names, each layer's experts fused (as the
+    module holds them, or transposed), whatever layout this transformers version's save_pretrained writes (5.17's
+    splits them per expert), with `extra` tensors beside them. Returns the stock model."""
+    from safetensors.torch import save_file
+    model = tiny_model(model_type)
+    save_checkpoint(model, path)
+    state = {k: v.transpose(1, 2) if transposed and k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+             for k, v in model.state_dict().items()}
+    for old in Path(path).glob("model*.safetensors*"):
+        old.unlink()
+    save_file({k: v.contiguous() for k, v in {**state, **extra}.items()}, str(Path(path) / "model.safetensors"),
+              metadata={"format": "pt"})
+    return model
+
+
 def qwen3_vl_moe_published(path) -> transformers.PreTrainedModel:
     """The tiny qwen3_vl_moe saved as Qwen3-VL-MoE is published: each layer's experts fused and transposed
-    (gate_up_proj [E, H, 2I], down_proj [E, I, H]; transformers 5.6's save_pretrained of a model built from its
-    config writes the module's layout instead). Returns the stock model."""
-    from safetensors.torch import load_file, save_file
-    model = tiny_model("qwen3_vl_moe")
-    save_checkpoint(model, path)
-    state = load_file(str(Path(path) / "model.safetensors"))
-    state = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
-             for k, v in state.items()}
-    save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
-    return model
+    (gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    return _published("qwen3_vl_moe", path, transposed=True)
+
+
+def qwen3_5_moe_published(path) -> transformers.PreTrainedModel:
+    """The tiny qwen3_5_moe saved as Qwen3.5-MoE is published: the whole image-text model, each layer's experts fused
+    as the module holds them, and a multi-token-prediction module (`mtp.*`, which transformers skips) beside them."""
+    return _published("qwen3_5_moe", path, **{"mtp.fc.weight": torch.ones(8, 8)})
 
 
 def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
