@@ -220,12 +220,14 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     require_new_dir(out_dir, "the per-expert adapter (writing over a saved adapter would lose it)")
     base, model = base_config(adapter_dir, config, model_dir)
     settings = prepared_settings(base, model)
-    # A prepared directory's config.json is its text model's; the checkpoint it serves may be a composite.
-    model_type = settings.get("source_model_type") if settings else model.get("model_type")
-    if composite_prefix(model_type) is not None:
-        raise ValueError(f"{model_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
+    # A prepared directory's config.json is the model it serves, and the adapter names that model's modules: a
+    # composite's text model (refused, by the checkpoint's model_type), or the text model of a Qwen3.5-MoE that an
+    # earlier kt_sft prepared.
+    source_type = settings.get("source_model_type") if settings else model.get("model_type")
+    if composite_prefix(source_type) is not None:
+        raise ValueError(f"{source_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
-    arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model_type)))
+    arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model.get("model_type"))))
     targets = config.get("target_modules")
     if not isinstance(targets, (list, str)):
         raise ValueError(f"adapter_config.json's target_modules is {targets!r}; PEFT saves a list of module names or "

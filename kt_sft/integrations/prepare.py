@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from transformers import CONFIG_MAPPING, AutoConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
 from .._ext import KERNEL_SETS, _thread_count
 from ..formats import EXPERT_FORMATS
@@ -52,10 +52,20 @@ def _rotary_dim_as_a_factor(raw: dict) -> None:
             raw["partial_rotary_factor"] = rotary / head_dim
 
 
-def checked_source(source: Path) -> tuple[dict, str, str, str, str]:
+def auto_classes(config) -> tuple[str, ...]:
+    """The transformers auto classes a prepared directory's auto_map sends to kt_sft: the one that builds the model
+    (an image-text model's, which LLaMA-Factory loads it with), and AutoModelForCausalLM where transformers maps a
+    causal LM to the config (Qwen3.5-MoE: the call then gets the same whole model). Not where it maps none
+    (Qwen3-VL-MoE): transformers then registers the remote class in its mapping, and that process's next load of
+    such a model through it fails inside transformers."""
+    causal = type(config) in AutoModelForCausalLM._model_mapping
+    return tuple(dict.fromkeys((model_class(config).__name__, *(("AutoModelForCausalLM",) if causal else ()))))
+
+
+def checked_source(source: Path) -> tuple[dict, str, str, str, tuple[str, ...]]:
     """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the published model_type,
-    the experts' published format, the weight-key prefix of its text model, the transformers auto class that
-    loads it), after every check of config.json and the shards' headers that the load makes: the model a prepared
+    the experts' published format, the weight-key prefix of its text model, the transformers auto classes that
+    load it: auto_classes), after every check of config.json and the shards' headers that the load makes: the model a prepared
     directory holds is its text model (a whole image-text model where transformers serves one: Qwen3-VL-MoE), with
     kt_sft's own model_type and no quantization_config (the loader reads quantized weights itself, so to
     transformers and LLaMA-Factory it is not a quantized model) or remote code."""
@@ -78,7 +88,7 @@ def checked_source(source: Path) -> tuple[dict, str, str, str, str]:
                          "configuration).")
     architecture_of(config)
     check_checkpoint(Checkpoint(source, prefix), config, fmt)
-    return raw, published_type, fmt, prefix, model_class(config).__name__
+    return raw, published_type, fmt, prefix, auto_classes(config)
 
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
@@ -99,7 +109,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
         raise ValueError(f"--kernels {kernels!r} is not one of {', '.join(KERNEL_SETS)}.")
     if expert_format not in (None, *EXPERT_FORMATS):
         raise ValueError(f"--expert-format {expert_format!r} is not one of {', '.join(EXPERT_FORMATS)}.")
-    raw, published_type, fmt, prefix, auto_class = checked_source(source)
+    raw, published_type, fmt, prefix, auto_map = checked_source(source)
     if not any(f.name in TOKENIZER_FILES or f.suffix == ".tiktoken" for f in source.iterdir()):
         raise FileNotFoundError(f"{source} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); LLaMA-Factory reads "
                                 "it from the prepared directory, and without one transformers makes a tokenizer of "
@@ -137,7 +147,7 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
                 or earlier_copy(old) or (old.name.startswith(".") and old.name.endswith(".copying")):
             old.unlink()
 
-    raw["auto_map"] = {auto_class: "modeling_kt_sft.KTSFTForCausalLM"}
+    raw["auto_map"] = {name: "modeling_kt_sft.KTSFTForCausalLM" for name in auto_map}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type,
                          "threads": threads, "kernels": kernels, "source_format": fmt,
                          "expert_format": expert_format or fmt, "checkpoint_prefix": prefix, "copies": copies,

@@ -124,9 +124,10 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
-    past = sorted({layer_past_the_model(k, text) for k in ckpt.keys() if not prediction_layer(k, text)} - {None})
+    past = sorted((layer_past_the_model(k, text), k) for k in ckpt.keys()
+                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text))
     if past:  # the loader would leave those layers out: another model than the checkpoint's
-        raise ValueError(f"the checkpoint holds layer {past[-1]} (model.layers.{past[-1]}.…), past the "
+        raise ValueError(f"the checkpoint holds layer {past[-1][0]} ({past[-1][1]}), past the "
                          f"{text.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
                          f"{prediction_layers(text)} multi-token-prediction layers after them, by its "
                          "num_nextn_predict_layers or num_mtp_modules); check that config.json belongs to these "

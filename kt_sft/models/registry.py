@@ -27,7 +27,7 @@ class MoEArchitecture:
     # applies them first (Qwen2-MoE, whose router then waits for them on the same stream).
     shared_experts: str | None = None
     # Whether the checkpoint stores a layer's experts fused and transposed from the module's layout: gate_up_proj
-    # [E, H, 2I] and down_proj [E, I, H] (Qwen3-VL-MoE as published, and as transformers saves it).
+    # [E, H, 2I] and down_proj [E, I, H] (Qwen3-VL-MoE as published; transformers reads either layout).
     fused_transposed: bool = False
 
     def holds_experts(self, module) -> bool:
@@ -88,10 +88,10 @@ def register_alias(model_type: str, same_as: str) -> None:
     _ALIASES[model_type] = same_as
 
 
-# Composite checkpoints (a text model beside e.g. a vision tower) whose text model is served: top-level model_type
-# -> the prefix of the text model's weight keys, whose other keys are not read ("": every key is read, the text
-# model's renamed by its architecture's key_renames). Their config.json nests the text model's config as
-# text_config.
+# Composite checkpoints (a text model beside e.g. a vision tower) whose text model alone is served, where
+# transformers has no class for the whole model (Kimi-K2.5): top-level model_type -> the prefix of the text model's
+# weight keys, whose other keys are not read. Their config.json nests the text model's config as text_config.
+# Image-text models that transformers builds whole (Qwen3-VL-MoE, Qwen3.5-MoE) are registered as architectures.
 _COMPOSITES: dict[str, str] = {}
 
 

@@ -18,7 +18,7 @@ from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import PROJECTIONS
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import kimi_k25_checkpoint
-from tiny_models import save_checkpoint, tiny_model
+from tiny_models import qwen3_5_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -190,3 +190,23 @@ def test_a_composite_checkpoint_is_refused_through_its_prepared_directory(tmp_pa
         with pytest.raises(ValueError, match=f"{composite} is a composite checkpoint; .* not supported for it"):
             run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), *model_args])
     assert not (tmp_path / "out").exists()
+
+
+def test_an_adapter_of_qwen3_5_moes_text_model_prepared_by_an_earlier_kt_sft_exports_under_its_names(tmp_path):
+    # Earlier kt_sft prepared Qwen3.5-MoE as its text model (config.json: text_config, model_type qwen3_5_moe_text):
+    # the adapter trained there names model.layers.N, and its export had put the experts' LoRA under the whole
+    # model's model.language_model.layers.N beside attention LoRA under the text model's names.
+    qwen3_5_moe_published(tmp_path / "published")
+    prepared = tmp_path / "prepared"
+    assert run(["prepare", str(tmp_path / "published"), str(prepared)]) == 0
+    config = json.loads((prepared / "config.json").read_text())
+    (prepared / "config.json").write_text(json.dumps({**config["text_config"], "kt_sft": config["kt_sft"],
+                                                      "auto_map": config["auto_map"]}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(prepared, trust_remote_code=True, dtype=torch.float32)
+    assert model.config.model_type == "qwen3_5_moe_text"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    get_peft_model(model.requires_grad_(False), lora).save_pretrained(tmp_path / "adapter")
+    assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out")]) == 0
+    keys = list(load_file(str(tmp_path / "out" / "adapter_model.safetensors")))
+    assert any(".mlp.experts.0.gate_proj.lora_A" in k for k in keys)
+    assert all(k.startswith("base_model.model.model.layers.") for k in keys), keys[:3]

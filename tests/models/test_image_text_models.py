@@ -61,6 +61,11 @@ def test_qwen3_5_moe_as_published_serves_the_whole_model_reading_its_experts_onc
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
                                                                      dtype=torch.float32)
     assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    # transformers maps a causal LM to Qwen3.5-MoE's config: through AutoModelForCausalLM (the way without
+    # LLaMA-Factory) the prepared directory gives the same whole model, not transformers' class on no weights.
+    causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                               dtype=torch.float32)
+    assert type(causal).__name__ == "Qwen3_5MoeForConditionalGeneration"
     assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
     assert read and not [k for k in read if ".experts." in k]  # the experts are read into the engine only, once
     assert not [k for k in read if k.startswith("mtp.")]
