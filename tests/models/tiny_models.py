@@ -149,17 +149,3 @@ def save_checkpoint(model: transformers.PreTrainedModel, path) -> None:
     """model.save_pretrained(path), with a stand-in for the tokenizer files that `kt-sft prepare` requires."""
     model.save_pretrained(path)
     (Path(path) / "tokenizer_config.json").write_text("{}")
-
-
-def qwen3_5_moe_published(path) -> transformers.PreTrainedModel:
-    """The tiny qwen3_5_moe saved as Qwen3.5-MoE is published: the whole image-text model, each layer's experts fused
-    as the module holds them, and a multi-token-prediction module (`mtp.*`, which transformers skips) beside them.
-    Returns the stock model."""
-    from safetensors.torch import load_file, save_file
-    model = tiny_model("qwen3_5_moe")
-    save_checkpoint(model, path)
-    state = load_file(str(Path(path) / "model.safetensors"))
-    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file({**state, "mtp.fc.weight": torch.ones(8, 8)}, str(Path(path) / "model.safetensors"),
-              metadata={"format": "pt"})
-    return model
