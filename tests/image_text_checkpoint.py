@@ -1,6 +1,7 @@
 """A tiny Qwen3-VL-MoE or Qwen3.5-MoE as published (no hub access): config, weights with each layer's experts fused
-(Qwen3-VL-MoE's transposed), a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video processors and chat template; and a
-dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
+(Qwen3-VL-MoE's transposed), a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video
+processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's multimodal
+sharegpt format."""
 from __future__ import annotations
 
 import json
@@ -18,8 +19,10 @@ TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if message['content'] is string %}{%- set content = message['content'] %}"
     "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|vision_start|><|image_pad|><|vision_end|>' %}"
-    "{%- elif item['type'] == 'video' %}{%- set content.s = content.s + '<|vision_start|><|video_pad|><|vision_end|>' %}"
+    "{%- if item['type'] == 'image' %}"
+    "{%- set content.s = content.s + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif item['type'] == 'video' %}"
+    "{%- set content.s = content.s + '<|vision_start|><|video_pad|><|vision_end|>' %}"
     "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
     "{%- set content = content.s %}{%- endif %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"

@@ -11,9 +11,9 @@ Experts stored fused (Qwen3.5-MoE's `gate_up_proj` [E, 2I, H] and `down_proj` [E
 get each expert's update added to its slice of the fused tensor, in place, and stay fused.
 
 The merge reads and writes one shard at a time (RAM: about one shard, plus the float32 copy of the weight being
-merged, or a layer's fused experts tensor): the same shard files and index, the published config.json (its quantization_config kept), the other
-top-level files that are not weights (tokenizer, generation config, remote code), and every tensor the adapter does
-not touch copied unchanged. It writes into a temporary directory
+merged, or a layer's fused experts tensor): the same shard files and index, the published config.json (its
+quantization_config kept), the other top-level files that are not weights (tokenizer, generation config, remote
+code), and every tensor the adapter does not touch copied unchanged. It writes into a temporary directory
 beside out-dir and renames it at the end, so a failure leaves no half-written model.
 
 Quantizing again keeps only the part of an update that the format resolves (an INT4 group has 16 levels). The
@@ -112,8 +112,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                     ckpt: Checkpoint) -> dict[str | FusedSlice, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
     kt_sft's stacked expert LoRA at each expert's published weight or fused slice (expert_weight; checked against
-    the model's experts, and the
-    model, as given in model_dir, against the architecture the adapter was trained on). Whole base weights the
+    the model's experts, and the model, as given in model_dir, against the architecture the adapter was trained
+    on). Whole base weights the
     adapter carries must be the checkpoint's (check_base_copy)."""
     config = adapter_config(adapter_dir)
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):

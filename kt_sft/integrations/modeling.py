@@ -3,8 +3,8 @@
 `AutoModelForCausalLM.from_pretrained(prepared_dir, trust_remote_code=True)` — what LLaMA-Factory calls (for an
 image-text model such as Qwen3-VL-MoE, AutoModelForImageTextToText: prepare.auto_classes) — lands in
 `KTSFTForCausalLM.from_pretrained`, which returns the stock transformers model of the checkpoint's model_type (the
-whole image-text model for those) with its routed experts in the CPU engine (kt_sft.loader.model). Settings recorded by prepare
-live under config.json's "kt_sft" key.
+whole image-text model for those) with its routed experts in the CPU engine (kt_sft.loader.model). Settings
+recorded by prepare live under config.json's "kt_sft" key.
 """
 from __future__ import annotations
 

@@ -102,8 +102,9 @@ def _check_group_routing(config, E: int, top_k) -> None:
 
 
 def model_class(config):
-    """The transformers auto class that builds config's model: an image-text model where its config is one (Qwen3-VL-MoE,
-    Qwen3.5-MoE: the config nests the text model's), else a causal LM; LLaMA-Factory picks the same way."""
+    """The transformers auto class that builds config's model: an image-text model where its config is one
+    (Qwen3-VL-MoE, Qwen3.5-MoE: the config nests the text model's), else a causal LM; LLaMA-Factory picks the
+    same way."""
     image_text = type(config) in AutoModelForImageTextToText._model_mapping
     return AutoModelForImageTextToText if image_text else AutoModelForCausalLM
 

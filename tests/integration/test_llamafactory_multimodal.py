@@ -1,8 +1,8 @@
 """Qwen3-VL-MoE and Qwen3.5-MoE through the stock `llamafactory-cli`, images included: a tiny checkpoint as published
-(experts fused, Qwen3-VL-MoE's transposed; processor and chat template beside it) is prepared and LoRA-trained on questions about images (the
-vision tower beside the model's other modules, the routed experts on the CPU engine); LLaMA-Factory's chat model
-with the adapter answers each image's colour as trained, and its export merges the adapter into a checkpoint that
-stock transformers loads with the adapter's logits."""
+(experts fused, Qwen3-VL-MoE's transposed; processor and chat template beside it) is prepared and LoRA-trained on
+questions about images (the vision tower beside the model's other modules, the routed experts on the CPU engine);
+LLaMA-Factory's chat model with the adapter answers each image's colour as trained, and its export merges the
+adapter into a checkpoint that stock transformers loads with the adapter's logits."""
 import json
 import subprocess
 import sys
@@ -69,9 +69,10 @@ def test_chat_with_the_adapter_answers_each_image_as_trained(trained):
 def test_export_merges_the_adapter_into_a_checkpoint_stock_transformers_loads(trained):
     root, prepared, data, out, vision = trained
     (root / "none.yaml").write_text("{}\n")
-    run(["export", str(write_yaml(root / "export.yaml", root / "none.yaml", model_name_or_path=str(prepared),
-                                  adapter_name_or_path=str(out), finetuning_type="lora", export_dir=str(root / "merged"),
-                                  export_device="cpu", **vision))], root)
+    export = write_yaml(root / "export.yaml", root / "none.yaml", model_name_or_path=str(prepared),
+                        adapter_name_or_path=str(out), finetuning_type="lora", export_dir=str(root / "merged"),
+                        export_device="cpu", **vision)
+    run(["export", str(export)], root)
     processor = transformers.AutoProcessor.from_pretrained(root / "merged")
     from PIL import Image
     batch = processor.apply_chat_template(

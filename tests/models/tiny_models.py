@@ -111,7 +111,8 @@ def image_batch(seed: int, rows: int = 2) -> dict:
     tokens between vision start and end) inside random text; labels skip the image tokens, as LLaMA-Factory's do."""
     g = torch.Generator().manual_seed(seed)
     image = torch.tensor([98, 96, 96, 96, 96, 99]).expand(rows, -1)
-    ids = torch.cat([torch.randint(0, 96, (rows, 3), generator=g), image, torch.randint(0, 96, (rows, 5), generator=g)], 1)
+    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
+    ids = torch.cat([text[0], image, text[1]], 1)
     return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100), mm_token_type_ids=(ids == 96).long(),
                 pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
