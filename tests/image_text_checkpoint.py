@@ -1,7 +1,7 @@
-"""A tiny Qwen3-VL-MoE or Qwen3.5-MoE as published (no hub access): config, weights with each layer's experts fused
-(Qwen3-VL-MoE's transposed), a byte-level tokenizer holding Qwen3-VL's special tokens, its image and video
-processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's multimodal
-sharegpt format."""
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE or GLM-4.5V as published (no hub access): config, weights (Qwen's experts fused,
+Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its image
+and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
+multimodal sharegpt format."""
 from __future__ import annotations
 
 import json
@@ -31,48 +31,79 @@ COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white
 PIXELS = 64 * 64  # a 64x64 image: 4x4 patches of 16 pixels, merged 2x2 into 4 image tokens
 
 
-def _tokenizer():
+# GLM-4.5V's, and its chat format (LLaMA-Factory's glm4_5v template) as a chat template.
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+               "<|begin_of_image|>", "<|image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|video|>",
+               "<|end_of_video|>"]
+GLM_EXTRA = ["<think>", "</think>", "<answer>", "</answer>"]
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|begin_of_image|><|image|><|end_of_image|>' %}"
+    "{%- elif item['type'] == 'video' %}"
+    "{%- set content.s = content.s + '<|begin_of_video|><|video|><|end_of_video|>' %}"
+    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- set content = content.s %}{%- endif %}"
+    "{{- '<|' + message['role'] + '|>\n' + content }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
+
+
+def _tokenizer(special, extra, eos, template):
     from transformers import Qwen2Tokenizer
     from tokenizers.pre_tokenizers import ByteLevel
     vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
-    vocab.update({t: 256 + i for i, t in enumerate(SPECIAL + EXTRA)})  # in the vocabulary: their ids stay put
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token="<|im_end|>",
+    vocab.update({t: 256 + i for i, t in enumerate(special + extra)})  # in the vocabulary: their ids stay put
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token=eos,
                          pad_token="<|endoftext|>", split_special_tokens=False)
-    tok.add_special_tokens({"extra_special_tokens": SPECIAL}, replace_extra_special_tokens=False)
-    tok.add_tokens(EXTRA)
-    tok.chat_template = TEMPLATE
+    tok.add_special_tokens({"extra_special_tokens": special}, replace_extra_special_tokens=False)
+    tok.add_tokens(extra)
+    tok.chat_template = template
     return tok
 
 
 def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int = 0) -> Path:
-    """A tiny qwen3_vl_moe or qwen3_5_moe (gated DeltaNet and gated attention layers, its experts fused as the module
-    holds them). Hidden 128, 2I = 64 and I = 32 all differ, so a transposed read of the experts cannot pass
-    unnoticed."""
+    """A tiny qwen3_vl_moe, qwen3_5_moe (gated DeltaNet and gated attention layers, its experts fused as the module
+    holds them) or glm4v_moe (shared experts, sigmoid routing; its experts per expert). Hidden 128, 2I = 64 and
+    I = 32 all differ, so a transposed read of the experts cannot pass unnoticed."""
     import transformers
-    from transformers import GenerationConfig, Qwen3VLProcessor
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-    tok = _tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    glm = model_type == "glm4v_moe"
+    tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
+        _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (GLM_SPECIAL if glm else SPECIAL)}
+    eos = [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]] if glm else \
+        [ids["<|im_end|>"], ids["<|endoftext|>"]]
     text = dict(vocab_size=288, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=ids["<|im_end|>"],
+                max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=eos[0],
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"]) \
+        if not glm else {}
     if model_type == "qwen3_vl_moe":
         config_class, model_class = transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration
         vision["deepstack_visual_indexes"] = [0, 1]
-    else:
+    elif model_type == "qwen3_5_moe":
         config_class, model_class = transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration
         text.update(shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=16)
         text["rope_parameters"] = {**text["rope_parameters"], "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1]}
-    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    else:
+        config_class, model_class = transformers.Glm4vMoeConfig, transformers.Glm4vMoeForConditionalGeneration
+        text.update(n_routed_experts=text.pop("num_experts"), n_shared_experts=1, first_k_dense_replace=0,
+                    n_group=1, topk_group=1, head_dim=32)
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                                   "mrope_section": [4, 2, 2]}
+        vision.pop("num_position_embeddings")
+        vision["image_size"] = 64
+        tokens = dict(image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                      image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+                      video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"])
+    config = config_class(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = model_class(config)
     with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
@@ -82,13 +113,23 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
         state = load_file(str(out / "model.safetensors"))
         save_file({k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
                    else v for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    GenerationConfig(eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
-                     do_sample=False).save_pretrained(out)
+    transformers.GenerationConfig(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"],
+                                  do_sample=False).save_pretrained(out)
     tok.save_pretrained(out)
     common = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
                   size={"shortest_edge": 32 * 32, "longest_edge": PIXELS})
-    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**common), tokenizer=tok, chat_template=TEMPLATE,
-                     video_processor=Qwen3VLVideoProcessor(**common)).save_pretrained(out)
+    if glm:
+        from transformers.models.glm4v.image_processing_glm4v import Glm4vImageProcessor
+        from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+        transformers.Glm4vProcessor(image_processor=Glm4vImageProcessor(**common), tokenizer=tok,
+                                    video_processor=Glm4vVideoProcessor(**common),
+                                    chat_template=GLM_TEMPLATE).save_pretrained(out)
+    else:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+        transformers.Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(**common), tokenizer=tok,
+                                      video_processor=Qwen3VLVideoProcessor(**common),
+                                      chat_template=TEMPLATE).save_pretrained(out)
     return out
 
 

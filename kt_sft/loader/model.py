@@ -125,8 +125,10 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
+    skipped = class_skips(skeleton)
     past = sorted((layer_past_the_model(k, text), k) for k in ckpt.keys()
-                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text))
+                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text) and
+                  not skipped.search(k))
     if past:  # the loader would leave those layers out: another model than the checkpoint's
         raise ValueError(f"the checkpoint holds layer {past[-1][0]} ({past[-1][1]}), past the "
                          f"{text.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
@@ -256,13 +258,19 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
     return set(keys)
 
 
+def class_skips(model) -> re.Pattern:
+    """The checkpoint keys the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction
+    module `mtp.*`; GLM-4.5V's multi-token-prediction layer, model.language_model.layers.46)."""
+    return re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
+
+
 def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
     """The checkpoint keys the loader reads into the model itself: all but the routed experts (experts_modules'
     `experts`, per expert or fused), the companions of quantized weights (read with them), the multi-token-prediction
     layers, and what the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module,
     `mtp.*`)."""
     prefixes = tuple(p for name, layer, _ in experts for p in experts_key_prefixes(arch, layer, name))
-    skipped = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
+    skipped = class_skips(model)
     return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
                                            or prediction_layer(k, text_config_of(model.config)) or skipped.search(k))]
 

@@ -34,8 +34,9 @@ import torch
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
 from peft.tuners.mixed import MixedModel
-from peft.tuners.tuners_utils import check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge, check_target_module_exists
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from ..nn.experts import KTExperts, LoadsInPlace, engine_tensor
 
@@ -371,6 +372,32 @@ def _refusing_fused_targets(inject_parameters):
 
 if hasattr(LoraModel, "_inject_parameters"):
     LoraModel._inject_parameters = _refusing_fused_targets(LoraModel._inject_parameters)
+
+# The module types LoRA adapts itself (PEFT's list), which are never passed over below.
+_LORA_MODULES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D,
+                 BaseTunerLayer)
+
+
+def _passing_over_covered_blocks(create_and_replace):
+    """LoraModel's `_create_and_replace`, passing over a module LoRA has no form for, on a path through a module
+    named *experts, whose linear layers (if it has any) are all targets of their own (they get their LoRA then):
+    LLaMA-Factory names an image-text model's targets by module path, every module whose path contains a target
+    name (patch_target_modules), so with the CPU experts' `experts` among the names, GLM-4.5V's `shared_experts`
+    MLP and its activation were named too, and PEFT refused them as unsupported modules. A block with a linear layer
+    left out still gets PEFT's refusal."""
+    @functools.wraps(create_and_replace)
+    def checked(self, config, adapter_name, target, target_name, parent, current_key, *args, **kwargs):
+        linears = [f"{current_key}.{n}" for n, m in target.named_modules() if n and isinstance(m, nn.Linear)]
+        custom = getattr(config, "_custom_modules", None) or {}
+        if "experts" in current_key and not isinstance(target, _LORA_MODULES) and type(target) not in custom \
+                and all(check_target_module_exists(config, k) for k in linears):
+            return None
+        return create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, *args,
+                                  **kwargs)
+    return checked
+
+
+LoraModel._create_and_replace = _passing_over_covered_blocks(LoraModel._create_and_replace)
 
 
 # Every tuner but LoRA (and X-LoRA, which holds LoRA adapters); each had refused the experts with a traceback, or

@@ -1,8 +1,9 @@
-"""Qwen3-VL-MoE and Qwen3.5-MoE through the stock `llamafactory-cli`, images included: a tiny checkpoint as published
-(experts fused, Qwen3-VL-MoE's transposed; processor and chat template beside it) is prepared and LoRA-trained on
-questions about images (the vision tower beside the model's other modules, the routed experts on the CPU engine);
-LLaMA-Factory's chat model with the adapter answers each image's colour as trained, and its export merges the
-adapter into a checkpoint that stock transformers loads with the adapter's logits."""
+"""Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4.5V through the stock `llamafactory-cli`, images included: a tiny checkpoint
+as published (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's per expert; processor and chat template beside
+it) is prepared and LoRA-trained on questions about images (the vision tower beside the model's other modules, the
+routed experts on the CPU engine); LLaMA-Factory's chat model with the adapter answers each image's colour as
+trained, and its export merges the adapter into a checkpoint that stock transformers loads with the adapter's
+logits."""
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from test_llamafactory_quantized import train_lora
 from tolerances import MERGED_BF16, rel_l2
 
 VISION = dict(image_max_pixels=PIXELS, image_min_pixels=32 * 32, trust_remote_code=True)
-TEMPLATES = {"qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink"}
+TEMPLATES = {"qwen3_vl_moe": "qwen3_vl_nothink", "qwen3_5_moe": "qwen3_5_nothink", "glm4v_moe": "glm4_5v"}
 # LLaMA-Factory's chat model in a process of its own (as `llamafactory-cli chat` runs), asked about each image.
 ASK = """import json, sys
 from PIL import Image
@@ -40,6 +41,8 @@ def trained(tmp_path_factory, request):
     data = write_image_data(root / "data")
     out = root / "run"
     vision = {**VISION, "template": TEMPLATES[request.param]}
+    if request.param == "glm4v_moe":  # a reasoning template: the empty thinking goes into the prompt, not the answer
+        vision["enable_thinking"] = False
     train_lora(prepared, root, out, dataset="kt_colours", **vision, per_device_train_batch_size=4,
                num_train_epochs=60, learning_rate=3e-3)
     return root, prepared, data, out, vision
@@ -62,7 +65,8 @@ def test_chat_with_the_adapter_answers_each_image_as_trained(trained):
     p = subprocess.run([sys.executable, "-c", ASK, json.dumps({"model": model, "images": [
         str(data / f"{name}.png") for name in COLOURS]})], capture_output=True, text=True, timeout=600, cwd=root)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    replies = [json.loads(line) for line in p.stdout.splitlines() if line.startswith('"')]
+    # GLM's template opens each answer with a newline.
+    replies = [json.loads(line).strip() for line in p.stdout.splitlines() if line.startswith('"')]
     assert replies == [f"It is {name}." for name in COLOURS], replies
 
 

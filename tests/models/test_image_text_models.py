@@ -1,4 +1,4 @@
-"""Image-text MoE models served whole (Qwen3-VL-MoE, Qwen3.5-MoE): images through the vision tower, text and routed
+"""Image-text MoE models served whole (Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V): images through the vision tower, text and routed
 experts through the CPU engine, against the stock model (checkpoints as published: Qwen3-VL-MoE's fused experts
 transposed, Qwen3.5-MoE's as the module holds them) and against stock transformers + PEFT with the same LoRA
 (test_peft_parity's reference) on batches that hold images."""
@@ -16,6 +16,7 @@ from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, lora_tensors
 from kt_sft.loader import model as loader_model
+from kt_sft.models import use_cpu_experts
 from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, TRAIN_STEPS, rel_l2
 
@@ -74,6 +75,26 @@ def test_qwen3_5_moe_as_published_serves_the_whole_model_reading_its_experts_onc
         assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
 
 
+def test_glm4v_moe_as_published_loads_and_matches_with_images_skipping_its_prediction_layer(tmp_path):
+    # GLM-4.5V publishes its experts per expert under model.language_model., and its multi-token-prediction layer
+    # as model.language_model.layers.46, which transformers' class skips (the tiny model has 2 layers: prepare had
+    # refused it as a layer past num_hidden_layers).
+    stock = tiny_model("glm4v_moe")
+    save_checkpoint(stock, tmp_path / "src")
+    state = load_file(str(tmp_path / "src" / "model.safetensors"))
+    assert "model.language_model.layers.1.mlp.experts.0.gate_proj.weight" in state
+    extra = {f"model.language_model.layers.46.{k.split('.layers.1.', 1)[1]}": v.clone()
+             for k, v in state.items() if ".layers.1." in k}
+    save_file({**state, **extra}, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                                     dtype=torch.float32)
+    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 1  # layer 0 is dense
+    batch = inputs(image_batch(0))
+    with torch.no_grad():
+        assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
+
+
 def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path):
     src = tmp_path / "src"
     qwen3_vl_moe_published(src)
@@ -86,7 +107,7 @@ def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path
         run(["prepare", str(src), str(tmp_path / "prepared")])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_lora_training_steps_with_images_match_reference(model_type):
     kt, ref = kt_and_reference(model_type)
     names = lora_tensors(kt)
@@ -106,7 +127,7 @@ def test_lora_training_steps_with_images_match_reference(model_type):
         assert rel_l2(t, ref_t[name]) <= TRAIN_STEPS, name
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
 def test_generation_about_an_image_with_the_adapter_matches_the_reference(model_type):
     kt, ref = kt_and_reference(model_type)
     batch = inputs(image_batch(3, rows=1))
@@ -152,3 +173,24 @@ def test_fp8_checkpoint_with_experts_per_expert_loads_and_matches_with_images(tm
     batch = inputs(image_batch(1))
     with torch.no_grad():
         assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
+
+
+def test_llamafactorys_targets_by_path_pass_over_the_shared_experts_block_but_not_a_block_left_half_out():
+    # LLaMA-Factory names an image-text model's LoRA targets by path: every module whose path contains a target
+    # name, so `experts` named GLM-4.5V's shared_experts MLP and its activation too, which PEFT refused.
+    import peft
+    from llamafactory.model.model_utils.visual import COMPOSITE_MODELS
+    model = tiny_model("glm4v_moe")
+    use_cpu_experts(model)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"]
+    forbidden = COMPOSITE_MODELS["glm4v_moe"].vision_model_keys + COMPOSITE_MODELS["glm4v_moe"].projector_keys
+    paths = [n for n, _ in model.named_modules() if any(t in n for t in names) and not any(f in n for f in forbidden)]
+    assert "model.language_model.layers.1.mlp.shared_experts" in paths
+    lora = peft.get_peft_model(model.requires_grad_(False), peft.LoraConfig(r=4, target_modules=paths))
+    trained = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert any("shared_experts.gate_proj.lora_A" in n for n in trained)
+    assert any(".mlp.experts.lora_A" in n for n in trained)
+    other = tiny_model("glm4v_moe")
+    use_cpu_experts(other)
+    with pytest.raises(ValueError, match="is not supported"):  # its linear layers not among the targets
+        peft.get_peft_model(other.requires_grad_(False), peft.LoraConfig(r=4, target_modules=["shared_experts"]))

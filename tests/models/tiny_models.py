@@ -61,6 +61,16 @@ CONFIGS = {
         **COMMON, head_dim=16, moe_intermediate_size=40, shared_expert_intermediate_size=48, num_experts=8,
         num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
+    "glm4v_moe": lambda: transformers.Glm4vMoeConfig(  # GLM-4.5V: as qwen3_vl_moe's below, its ids past 96 too
+        text_config={**COMMON, "vocab_size": 104, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 40,
+                     "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+                     "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1]}},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4, image_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64),
+        image_token_id=96, video_token_id=97, image_start_token_id=98, image_end_token_id=99,
+        video_start_token_id=100, video_end_token_id=101),
     "qwen3_5_moe": lambda: transformers.Qwen3_5MoeConfig(  # the whole image-text model, as qwen3_vl_moe's below
         text_config={**COMMON, "vocab_size": 100, "head_dim": 16, "moe_intermediate_size": 40,
                      "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 2,
