@@ -1,6 +1,7 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
 DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts saved fused), MiniMax-M2 (Mixtral's
-expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), ERNIE-4.5 MoE,
+expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with
+sparse attention's indexer), ERNIE-4.5 MoE,
 Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo and AFMoE, each prepared from a checkpoint as transformers saves it.
 The loss falls and the adapter holds the experts' LoRA."""
 import pytest
@@ -35,6 +36,11 @@ CONFIGS = {
         vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_key_value_heads")},
         num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, q_lora_rank=64,
         kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, mlp_layer_types=["dense", "sparse"]),
+    "glm_moe_dsa": lambda v: transformers.GlmMoeDsaConfig(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_key_value_heads")},
+        num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, q_lora_rank=64,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, mlp_layer_types=["dense", "sparse"],
+        index_topk=64, index_head_dim=32, index_n_heads=2),
     "ernie4_5_moe": lambda v: transformers.Ernie4_5_MoeConfig(
         vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_experts_per_tok")},
         moe_intermediate_size=64, moe_num_experts=16, moe_k=4, moe_num_shared_experts=1, moe_layer_start_index=1),

@@ -171,7 +171,7 @@ def test_the_stock_order_runs_the_shared_experts_after_the_engine():
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "reentrant_ckpt", "nonreentrant_ckpt"])
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm4v_moe"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm4v_moe", "glm_moe_dsa"])
 def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, concurrent, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
     loss, grads = loss_and_grads(lora_model(model_type), checkpointing)

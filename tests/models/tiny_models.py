@@ -45,6 +45,11 @@ CONFIGS = {
         **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
         num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "sparse"]),
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(  # GLM-5: MLA with the sparse attention's indexer
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, mlp_layer_types=["dense", "sparse"], index_topk=4, index_head_dim=16,
+        index_n_heads=2),
     "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                                             moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
                                                             moe_layer_start_index=1),
