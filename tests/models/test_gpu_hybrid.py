@@ -34,12 +34,14 @@ def step_grads(model, device, autocast, batch=None):
     return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
-# Not afmoe: the stock AFMoE model itself, without kt_sft, gives other logits on CUDA than on the CPU (0.26 relative,
-# loss 9.2e-4 off; qwen3_moe's agree to 3e-7: BENCHMARKS.md, second session of 2026-12-07).
+# Not afmoe nor glm_moe_dsa: the stock AFMoE and GLM-5 models themselves, without kt_sft, give other logits on CUDA
+# than on the CPU (0.26 and 0.15 relative; GLM-5's sparse attention picks its keys by a top-k of the indexer's scores,
+# which rounding on either device can turn; qwen3_moe's and glm4_moe_lite's agree to 3e-7: BENCHMARKS.md, second
+# and third sessions of 2026-12-07).
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "qwen3_next", "minimax_m2", "olmoe", "dots1",
                                         "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open",
                                         "flex_olmo", "qwen3_5_moe_text", "qwen3_vl_moe", "qwen3_vl_moe+images",
-                                        "qwen3_5_moe+images", "glm4v_moe+images", "glm_moe_dsa"])
+                                        "qwen3_5_moe+images", "glm4v_moe+images"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     model_type, _, images = model_type.partition("+")  # the image-text models: their vision tower on CUDA too
     batch = image_batch(0) if images else None
