@@ -89,9 +89,8 @@ def test_batched_generation_with_the_adapter_matches_the_reference(model_type):
         assert rel_l2(torch.stack(out[0].logits), torch.stack(out[1].logits)) <= FP32_IO
 
 
-@pytest.mark.parametrize("model_type", ARCHS)
-def test_lora_training_steps_match_reference(model_type):
-    kt, ref = kt_and_reference(model_type)
+def train_alike(kt, ref, batch_of):
+    """Five AdamW steps of both models' LoRA on batch_of(step): the same losses and LoRA tensors after."""
     names = lora_tensors(kt)
     assert set(names) == set(lora_tensors(ref)), "both models train the same LoRA tensors"
     assert any("experts.lora_A" in n for n in names)
@@ -100,7 +99,7 @@ def test_lora_training_steps_match_reference(model_type):
         losses = []
         for model, opt in zip((kt, ref), opts):
             opt.zero_grad()
-            loss = model(**batch(step)).loss
+            loss = model(**batch_of(step)).loss
             loss.backward()
             opt.step()
             losses.append(loss.item())
@@ -108,6 +107,11 @@ def test_lora_training_steps_match_reference(model_type):
     ref_t = lora_tensors(ref)
     for name, t in lora_tensors(kt).items():
         assert rel_l2(t, ref_t[name]) <= TRAIN_STEPS, name
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_lora_training_steps_match_reference(model_type):
+    train_alike(*kt_and_reference(model_type), batch)
 
 
 @pytest.mark.parametrize("low_cpu_mem_usage", [False, True])  # True: PEFT builds the adapter on meta, then loads it
