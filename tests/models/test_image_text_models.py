@@ -122,11 +122,12 @@ def test_generation_about_an_image_with_the_adapter_matches_the_reference(model_
     assert rel_l2(torch.stack(out[0].logits), torch.stack(out[1].logits)) <= FP32_IO
 
 
-def test_fp8_checkpoint_with_experts_per_expert_loads_and_matches_with_images(tmp_path):
-    # Qwen3-VL-MoE's FP8 releases keep each expert's projections apart (weight + weight_scale_inv per 128x128 block),
-    # the text model's other projections in FP8 too, the vision tower unquantized. The stock model takes the values
-    # the FP8 codes decode to.
-    stock = tiny_model("qwen3_vl_moe")
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+def test_fp8_checkpoint_with_experts_per_expert_loads_and_matches_with_images(tmp_path, model_type):
+    # Qwen3-VL-MoE's and Qwen3.5-MoE's FP8 releases keep each expert's projections apart (weight + weight_scale_inv
+    # per 128x128 block), where their BF16 ones fuse them; the text model's other projections in FP8 too, the vision
+    # tower unquantized. The stock model takes the values the FP8 codes decode to.
+    stock = tiny_model(model_type)
     state, out, I = {k: v.clone() for k, v in stock.state_dict().items()}, {}, 40
 
     def fp8(key, w):
