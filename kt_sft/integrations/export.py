@@ -26,8 +26,9 @@ from ..ops.reference import PROJECTIONS
 from .modeling import SETTINGS_KEY
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-# The name of the module a plain LoRA matrix belongs to, as target_modules lists it.
-_LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_[AB]\.weight$")
+# The name of the module a plain LoRA matrix (a linear layer's, or an embedding's) belongs to, as target_modules
+# lists it.
+_LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_(?:embedding_)?[AB](?:\.weight)?$")
 # A stacked expert LoRA tensor: whatever precedes the model's layers (PEFT's `base_model.model.`), the layer (an
 # image-text model's text layers: model.language_model.layers.N), the experts module inside it, A or B, and the
 # projection.
@@ -251,10 +252,14 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     if not stacked:
         raise ValueError(f"{adapter_dir} holds no expert LoRA (no `…experts.lora_A.gate`-style tensors); it needs no "
                          "per-expert export.")
+    held = {m["leaf"] for m in map(_LORA_LEAF.match, out) if m}
     if isinstance(targets, str):  # a regular expression over module paths: it would match no per-expert module,
         # so the list of what the adapter holds takes its place
-        targets = sorted({m["leaf"] for m in map(_LORA_LEAF.match, out) if m})
-    kept = [k for k in targets if not k.endswith("experts")]
+        targets = sorted(held)
+    # Targets that hold no LoRA in the file go: LLaMA-Factory names an image-text model's targets by path, every
+    # module whose path contains a target name, which also named modules LoRA has no form for (an activation, the
+    # LoRA layers' own children), and stock PEFT refuses those.
+    kept = [k for k in targets if not k.endswith("experts") and k.rsplit(".", 1)[-1] in held]
     config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
     with written_beside(out_dir, "export", "exporting") as tmp:
         write_safetensors(out, tmp / ADAPTER_WEIGHTS, {"format": "pt"})

@@ -125,10 +125,9 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise ValueError(f"config.json declares {fmt.upper()} weights (its quantization_config) but the checkpoint "
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
-    skipped = class_skips(skeleton)
+    skipped = class_skips(skeleton, arch)
     past = sorted((layer_past_the_model(k, text), k) for k in ckpt.keys()
-                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text) and
-                  not skipped.search(k))
+                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text) and not skipped(k))
     if past:  # the loader would leave those layers out: another model than the checkpoint's
         raise ValueError(f"the checkpoint holds layer {past[-1][0]} ({past[-1][1]}), past the "
                          f"{text.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
@@ -258,10 +257,14 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
     return set(keys)
 
 
-def class_skips(model) -> re.Pattern:
-    """The checkpoint keys the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction
-    module `mtp.*`; GLM-4.5V's multi-token-prediction layer, model.language_model.layers.46)."""
-    return re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
+def class_skips(model, arch):
+    """A test of a checkpoint key: whether from_pretrained skips it as the model's class tells it to, which it does
+    only for keys that name no weight of the model (Qwen3-Next's multi-token-prediction module `mtp.*`; GLM-4.5-Air's
+    and GLM-4.5V's prediction layer 46, a pattern that also matches layer 46 of GLM-4.5's 92, whose weights had been
+    skipped, and the model refused as lacking them)."""
+    pattern = re.compile("|".join(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()) or "(?!)")
+    names = set(model.state_dict())
+    return lambda key: pattern.search(key) is not None and arch.module_key(key.removesuffix("_packed")) not in names
 
 
 def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
@@ -270,9 +273,9 @@ def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
     layers, and what the model's class tells from_pretrained to skip (Qwen3-Next's multi-token-prediction module,
     `mtp.*`)."""
     prefixes = tuple(p for name, layer, _ in experts for p in experts_key_prefixes(arch, layer, name))
-    skipped = class_skips(model)
+    skipped = class_skips(model, arch)
     return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
-                                           or prediction_layer(k, text_config_of(model.config)) or skipped.search(k))]
+                                           or prediction_layer(k, text_config_of(model.config)) or skipped(k))]
 
 
 def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
@@ -295,7 +298,8 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
     if unexpected:
         raise ValueError(f"the checkpoint has {_first_of(unexpected)}, which no weight of the {config.model_type} "
                          "model that config.json describes matches; check that config.json belongs to these weights "
-                         "(its layer count, its dense layers such as mlp_only_layers or first_k_dense_replace).")
+                         "(its layer count, its dense layers such as mlp_only_layers, first_k_dense_replace or "
+                         "mlp_layer_types).")
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     tied.update({source: target for target, source in tied.items()})  # either side of a tie may be stored
     in_experts = tuple(f"{name}." for name, _, _ in experts)

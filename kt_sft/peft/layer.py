@@ -378,19 +378,30 @@ _LORA_MODULES = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Mu
                  BaseTunerLayer)
 
 
+def _linear_layers(module: nn.Module, path: str):
+    """The paths of module's linear layers, a LoRA layer's (on a linear layer) counted as one."""
+    for name, child in module.named_children():
+        if isinstance(child, (nn.Linear, BaseTunerLayer)):
+            yield f"{path}.{name}"
+        else:
+            yield from _linear_layers(child, f"{path}.{name}")
+
+
 def _passing_over_covered_blocks(create_and_replace):
-    """LoraModel's `_create_and_replace`, passing over a module LoRA has no form for, on a path through a module
-    named *experts, whose linear layers (if it has any) are all targets of their own (they get their LoRA then):
-    LLaMA-Factory names an image-text model's targets by module path, every module whose path contains a target
-    name (patch_target_modules), so with the CPU experts' `experts` among the names, GLM-4.5V's `shared_experts`
-    MLP and its activation were named too, and PEFT refused them as unsupported modules. A block with a linear layer
-    left out still gets PEFT's refusal."""
+    """LoraModel's `_create_and_replace`, passing over a module of a model with CPU experts that LoRA has no form for,
+    holds no weight of its own and sits on a path through a module named *experts, where its linear layers (if it
+    has any) are all targets of their own (they get their LoRA then): LLaMA-Factory names an image-text model's
+    targets by module path, every module whose path contains a target name (patch_target_modules), so with the CPU
+    experts' `experts` among the names, GLM-4.5V's `shared_experts` MLP and its activation were named too, and PEFT
+    refused them as unsupported modules. A block with a linear layer left out still gets PEFT's refusal, and so does
+    every module of a model without CPU experts."""
     @functools.wraps(create_and_replace)
     def checked(self, config, adapter_name, target, target_name, parent, current_key, *args, **kwargs):
-        linears = [f"{current_key}.{n}" for n, m in target.named_modules() if n and isinstance(m, nn.Linear)]
-        custom = getattr(config, "_custom_modules", None) or {}
-        if "experts" in current_key and not isinstance(target, _LORA_MODULES) and type(target) not in custom \
-                and all(check_target_module_exists(config, k) for k in linears):
+        custom = tuple(getattr(config, "_custom_modules", None) or ())
+        if "experts" in current_key and not isinstance(target, (*_LORA_MODULES, *custom)) \
+                and not list(target.parameters(recurse=False)) and not list(target.buffers(recurse=False)) \
+                and all(check_target_module_exists(config, k) for k in _linear_layers(target, current_key)) \
+                and _holds_experts(self.model):
             return None
         return create_and_replace(self, config, adapter_name, target, target_name, parent, current_key, *args,
                                   **kwargs)

@@ -210,3 +210,25 @@ def test_an_adapter_of_qwen3_5_moes_text_model_prepared_by_an_earlier_kt_sft_exp
     keys = list(load_file(str(tmp_path / "out" / "adapter_model.safetensors")))
     assert any(".mlp.experts.0.gate_proj.lora_A" in k for k in keys)
     assert all(k.startswith("base_model.model.model.layers.") for k in keys), keys[:3]
+
+
+def test_targets_named_by_path_keep_only_the_modules_that_hold_lora(tmp_path):
+    # LLaMA-Factory names an image-text model's targets by path (every module whose path contains a target name):
+    # the export had kept the GLM-4.5V shared experts' activation and the LoRA layers' own children among them, which
+    # stock PEFT refuses.
+    model = tiny_model("glm4v_moe")
+    save_checkpoint(model, tmp_path / "model")
+    use_cpu_experts(model)
+    peft_model = get_peft_model(model.requires_grad_(False), LoraConfig(r=4, target_modules=["q_proj", "o_proj",
+                                                                                              "experts"]))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    names = ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts"]
+    paths = [n.removeprefix("base_model.model.") for n, _ in peft_model.named_modules()
+             if any(t in n for t in names) and "visual" not in n]
+    assert any(t.endswith("act_fn") for t in paths) and any(t.endswith("lora_A") for t in paths)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "target_modules": paths}))
+    assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")]) == 0
+    exported = json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"]
+    assert {t.rsplit(".", 1)[-1] for t in exported} == {"q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert "model.language_model.layers.1.self_attn.q_proj" in exported

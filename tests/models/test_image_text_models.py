@@ -179,10 +179,15 @@ def test_llamafactorys_targets_by_path_pass_over_the_shared_experts_block_but_no
             peft.get_peft_model(model.requires_grad_(False), peft.LoraConfig(r=4, target_modules=paths))
         return
     lora = peft.get_peft_model(model.requires_grad_(False), peft.LoraConfig(r=4, target_modules=paths))
-    trained = {n for n, p in lora.named_parameters() if p.requires_grad}
-    assert any("shared_experts.gate_proj.lora_A" in n for n in trained)
-    assert any(".mlp.experts.lora_A" in n for n in trained)
+    lora.add_adapter("second", peft.LoraConfig(r=2, target_modules=paths))  # its linear layers wrapped by the first
+    trained = {n for n, p in lora.named_parameters() if "lora_A" in n}
+    for adapter in ("default", "second"):
+        assert any(f"shared_experts.gate_proj.lora_A.{adapter}" in n for n in trained)
+        assert any(f".mlp.experts.lora_A.{adapter}" in n for n in trained)
     other = tiny_model("glm4v_moe")
     use_cpu_experts(other)
     with pytest.raises(ValueError, match="is not supported"):  # its linear layers not among the targets
         peft.get_peft_model(other.requires_grad_(False), peft.LoraConfig(r=4, target_modules=["shared_experts"]))
+    stock = tiny_model("qwen3_moe")  # no CPU experts: PEFT's own refusal of its experts module, as without kt_sft
+    with pytest.raises(ValueError, match="is not supported"):
+        peft.get_peft_model(stock.requires_grad_(False), peft.LoraConfig(r=4, target_modules=["q_proj", "experts"]))

@@ -454,3 +454,18 @@ def test_group_routing_that_does_not_fit_the_experts_is_refused(saved, tmp_path,
     (src / "config.json").write_text(json.dumps({**config, **routing}))
     with pytest.raises(ValueError, match="config.json's group routing does not fit its 8 experts"):
         run(["prepare", str(src), str(tmp_path / "prepared")])
+
+
+def test_a_layer_that_a_class_pattern_names_is_read_where_the_model_has_it(tmp_path):
+    # Glm4MoeForCausalLM skips `model.layers.46.*` (GLM-4.5-Air's prediction layer), a real layer of GLM-4.5's 92:
+    # its weights had been skipped by that pattern, and prepare refused the checkpoint as lacking them. transformers
+    # skips only keys that name no weight of the model.
+    config = CONFIGS["glm4_moe"]()
+    config.num_hidden_layers = 47
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    save_checkpoint(stock, tmp_path / "src")
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    assert torch.equal(model.model.layers[46].self_attn.q_proj.weight, stock.model.layers[46].self_attn.q_proj.weight)
