@@ -1,7 +1,7 @@
-"""Image-text MoE models served whole (Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V): images through the vision tower, text and routed
-experts through the CPU engine, against the stock model (checkpoints as published: Qwen3-VL-MoE's fused experts
-transposed, Qwen3.5-MoE's as the module holds them) and against stock transformers + PEFT with the same LoRA
-(test_peft_parity's reference) on batches that hold images."""
+"""Image-text MoE models served whole (Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V): images through the vision tower, text
+and routed experts through the CPU engine, against the stock model (checkpoints as published: Qwen3-VL-MoE's fused
+experts transposed, Qwen3.5-MoE's as the module holds them, GLM-4.5V's per expert) and against stock transformers +
+PEFT with the same LoRA (test_peft_parity's reference) on batches that hold images."""
 import json
 
 import pytest
@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import run
 from kt_sft.formats import fp8_block
+from kt_sft.loader import model as loader_model
+from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, train_alike
-from kt_sft.loader import model as loader_model
-from kt_sft.models import use_cpu_experts
 from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
