@@ -1,9 +1,9 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
 DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts saved fused), MiniMax-M2 (Mixtral's
-expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with
-sparse attention's indexer), ERNIE-4.5 MoE,
-Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo and AFMoE, each prepared from a checkpoint as transformers saves it.
-The loss falls and the adapter holds the experts' LoRA."""
+expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse
+attention's indexer), ERNIE-4.5 MoE, Hunyuan-A13B, EXAONE MoE, Solar Open, FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's
+expert names, its router renamed), each prepared from a checkpoint as transformers saves it. The loss falls and the
+adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -27,6 +27,9 @@ CONFIGS = {
         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32),
     "minimax_m2": lambda v: transformers.MiniMaxM2Config(vocab_size=v, **SIZES, num_local_experts=16),
+    "phimoe": lambda v: transformers.PhimoeConfig(  # sparsemixer routes to two experts
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_experts_per_tok")},
+        num_local_experts=16, num_experts_per_tok=2),
     "olmoe": lambda v: transformers.OlmoeConfig(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"},
                                                 num_experts=16),
     "dots1": lambda v: transformers.Dots1Config(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"},

@@ -45,7 +45,7 @@ def updates_of(peft_model) -> dict:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])  # Mixtral's checkpoint names experts w1/w3/w2
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe"])  # Mixtral's and Phi's name experts w1/w3/w2
 def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     (model_dir / "consolidated.00.pth").write_bytes(b"other weights")  # left out: they would be unmerged

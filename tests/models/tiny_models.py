@@ -17,6 +17,8 @@ CONFIGS = {
                                                       num_experts_per_tok=2, norm_topk_prob=True),
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, intermediate_size=40, num_local_experts=6,
                                                   num_experts_per_tok=2),
+    "phimoe": lambda: transformers.PhimoeConfig(**COMMON, intermediate_size=40, num_local_experts=6,
+                                                num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                                      shared_expert_intermediate_size=48, num_experts=8,
                                                      num_experts_per_tok=2),
