@@ -65,6 +65,10 @@ class SharedExpertsOverlap:
         if pending is None:  # the routed experts did not run first, or a call outside the block's forward
             return self.run(x, *args, **kwargs)
         x0, out = pending
+        if x is not x0 and not args and not kwargs and _same_tokens(x, x0):
+            # The block's input flattened to rows of tokens (Hy3's block calls its shared experts so): they compute
+            # each token alone, so their result on the block's input, flattened the same way, is theirs on x.
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         if x is not x0 or args or kwargs:
             self.remove()
             warn("kt_sft: this model's MoE block calls its shared experts on something other than the "
@@ -78,6 +82,13 @@ class SharedExpertsOverlap:
         self.shared.forward = self.run
         self.experts.queue_beside(None)
         self.local.pending = None
+
+
+def _same_tokens(x: torch.Tensor, x0: torch.Tensor) -> bool:
+    """Whether x is the block input x0 viewed with its tokens flattened or regrouped: the same memory, token by
+    token (the last dimension kept whole)."""
+    return x.shape[-1] == x0.shape[-1] and x.numel() == x0.numel() and x.data_ptr() == x0.data_ptr() and \
+        x.dtype == x0.dtype and x.is_contiguous() and x0.is_contiguous()
 
 
 def _hooked(module: nn.Module) -> bool:
