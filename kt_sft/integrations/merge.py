@@ -34,7 +34,7 @@ import torch
 
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
-from ..loader.model import fused_transposed
+from ..loader.model import fused_keys, fused_transposed
 from ..loader.quantization import read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -111,7 +111,7 @@ BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")
 def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path,
                     ckpt: Checkpoint) -> dict[str | FusedSlice, tuple]:
     """Checkpoint weight key -> (B, A, scaling) from a saved adapter: plain LoRA pairs at their module's weight,
-    kt_sft's stacked expert LoRA at each expert's published weight or fused slice (expert_weight; checked against
+    kt_sft's stacked expert LoRA at each expert's published weight or fused slice (fused_experts; checked against
     the model's experts, and the model, as given in model_dir, against the architecture the adapter was trained
     on). Whole base weights the
     adapter carries must be the checkpoint's (check_base_copy)."""
@@ -139,9 +139,11 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
             if stacked:
                 t = f.get_tensor(key)
                 check_stacked(stacked, t, model, config["r"])
+                layer, proj = int(stacked["layer"]), PROJECTIONS.index(stacked["proj"])
+                fused = fused_experts(ckpt, arch, model, prefix, layer)
                 for e in range(t.shape[0]):
-                    weight = expert_weight(ckpt, arch, model, prefix, int(stacked["layer"]), e,
-                                           PROJECTIONS.index(stacked["proj"]))
+                    weight = FusedSlice(fused[0][proj == 2], e, proj, fused[1]) if fused else \
+                        prefix + arch.expert_key(layer, e, proj)
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
                 weight = checkpoint_key(arch, plain["module"], ckpt, prefix)
@@ -167,19 +169,16 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
     return updates
 
 
-def expert_weight(ckpt: Checkpoint, arch, model: dict, prefix: str, layer: int, expert: int,
-                  proj: int) -> str | FusedSlice:
-    """Where the checkpoint keeps an expert's projection: its own weight key, or its slice of the layer's fused
-    experts (under the checkpoint's name of the experts module, or the module's own)."""
-    weight = prefix + arch.expert_key(layer, expert, proj)
-    if weight in ckpt.shard_of:
-        return weight
-    for name in arch.stored_names(arch.experts_prefix(layer).removesuffix(".")):
-        keys = (f"{prefix}{name}.gate_up_proj", f"{prefix}{name}.down_proj")
-        if keys[0] in ckpt.shard_of:  # both, with the shapes of one layout: checked_source checked them
-            E, H, I = expert_sizes(model)
-            return FusedSlice(keys[proj == 2], expert, proj, fused_transposed(ckpt, arch, keys, E, I, H))
-    return weight  # stored_format names it as missing
+def fused_experts(ckpt: Checkpoint, arch, model: dict, prefix: str,
+                  layer: int) -> tuple[tuple[str, str], bool] | None:
+    """(the keys of a layer's experts stored fused, whether transposed), or None where the checkpoint keeps them per
+    expert (each expert's projection then at its own weight key). checked_source has checked that a layer holds one
+    layout, and a fused one both tensors in shapes of one layout."""
+    keys = fused_keys(ckpt, arch, layer, arch.experts_prefix(layer).removesuffix("."), prefix)
+    if keys is None:
+        return None
+    E, H, I = expert_sizes(model)
+    return keys, fused_transposed(ckpt, arch, keys, E, I, H)
 
 
 def merged_fused(ckpt: Checkpoint, key: str, slices: list[tuple[FusedSlice, tuple]],

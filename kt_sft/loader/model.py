@@ -126,8 +126,8 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                          f"holds no {' or '.join(marks)} tensors, so its weights are not quantized (e.g. converted to "
                          "BF16 by DeepSeek's fp8_cast_bf16.py); remove quantization_config from config.json.")
     skipped = class_skips(skeleton, arch)
-    past = sorted((layer_past_the_model(k, text), k) for k in ckpt.keys()
-                  if layer_past_the_model(k, text) is not None and not prediction_layer(k, text) and not skipped(k))
+    past = sorted((n, k) for k in ckpt.keys() if (n := layer_past_the_model(k, text)) is not None
+                  and not prediction_layer(k, text) and not skipped(k))
     if past:  # the loader would leave those layers out: another model than the checkpoint's
         raise ValueError(f"the checkpoint holds layer {past[-1][0]} ({past[-1][1]}), past the "
                          f"{text.num_hidden_layers} layers that config.json's num_hidden_layers gives (with "
@@ -208,11 +208,12 @@ def experts_key_prefixes(arch, layer: int, module: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((arch.experts_prefix(layer), *(f"{name}." for name in arch.stored_names(module)))))
 
 
-def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str) -> tuple[str, str] | None:
+def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = "") -> tuple[str, str] | None:
     """The keys of a layer's experts stored fused (`gate_up_proj`, `down_proj`: fused_shapes), or None where they
-    are stored per expert."""
+    are stored per expert. prefix: the text model's key prefix, where ckpt reads a composite checkpoint's keys
+    whole (kt-sft merge)."""
     for base in experts_key_prefixes(arch, layer, module):
-        keys = (f"{base}gate_up_proj", f"{base}down_proj")
+        keys = (f"{prefix}{base}gate_up_proj", f"{prefix}{base}down_proj")
         if any(k in ckpt.shard_of for k in keys):
             return keys
     return None
