@@ -1,9 +1,10 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
 DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts saved fused), MiniMax-M2 (Mixtral's
-expert names, sigmoid routing with a correction bias), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse
-attention's indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open, FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's
-expert names, its router renamed), each prepared from a checkpoint as transformers saves it. The loss falls and the
-adapter holds the experts' LoRA."""
+expert names, sigmoid routing with a correction bias), Jamba (Mamba layers), LFM2-MoE (short convolutions), OLMoE,
+dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse attention's indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its
+router and shared experts renamed), EXAONE MoE, Solar Open, FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's expert names,
+its router renamed), each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds
+the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -27,6 +28,12 @@ CONFIGS = {
         layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32),
     "minimax_m2": lambda v: transformers.MiniMaxM2Config(vocab_size=v, **SIZES, num_local_experts=16),
+    "jamba": lambda v: transformers.JambaConfig(  # attention, then Mamba with the experts
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, num_experts=16, expert_layer_period=2,
+        expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0, use_mamba_kernels=False),
+    "lfm2_moe": lambda v: transformers.Lfm2MoeConfig(  # a dense convolution layer, then attention with the experts
+        vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16, num_dense_layers=1,
+        layer_types=["conv", "full_attention"]),
     # router_scaling_factor 1: at the published 2.826 this random model's loss did not settle at lr 0.01 (the parity
     # tests against stock HF + PEFT keep 2.826).
     "hy_v3": lambda v: transformers.HYV3Config(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
@@ -83,4 +90,4 @@ def test_lora_through_llamafactory(tmp_path, model_type):
     curve = losses(out)
     assert curve[max(curve)] < 0.5 * curve[min(curve)], curve
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:
-        assert [k for k in f.keys() if ".mlp.experts.lora_" in k]
+        assert [k for k in f.keys() if ".experts.lora_" in k]

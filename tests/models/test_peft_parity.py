@@ -17,7 +17,9 @@ from tiny_models import CONFIGS, tiny_model
 from tolerances import FP32_IO, MERGED_BF16, TRAIN_STEPS, rel_l2
 
 ARCHS = sorted(CONFIGS)
-LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+# Attention's output projection (LFM2-MoE's is out_proj, which Jamba's Mamba and LFM2's convolutions also have).
+OUTPUT_PROJECTIONS = ["o_proj", "out_proj"]
+LORA = dict(r=4, lora_alpha=8, target_modules=[*OUTPUT_PROJECTIONS, "experts"], init_lora_weights=False)
 
 
 def batch(seed):
@@ -34,9 +36,10 @@ def kt_and_reference(model_type):
     for m in (kt, stock):  # peft >= 0.19 does not freeze a model that already holds tuner layers
         m.requires_grad_(False)
     kt = get_peft_model(kt, LoraConfig(**LORA))
-    ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": ["o_proj"]}))
+    ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": OUTPUT_PROJECTIONS}))
     state = kt.state_dict()
-    ref.load_state_dict({k: v for k, v in state.items() if "o_proj.lora_" in k}, strict=False)
+    ref.load_state_dict({k: v for k, v in state.items() if any(f"{p}.lora_" in k for p in OUTPUT_PROJECTIONS)},
+                        strict=False)
     for name, module in list(kt.named_modules()):
         if isinstance(module, KTExpertsLinear):
             A, B = module.lora_A["default"], module.lora_B["default"]

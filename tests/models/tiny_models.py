@@ -100,6 +100,13 @@ CONFIGS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
+    "jamba": lambda: transformers.JambaConfig(  # attention, Mamba + experts, attention, Mamba + experts
+        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+        use_mamba_kernels=False, mamba_d_state=8, mamba_dt_rank=8),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense convolution layer, then attention with experts
+        **{k: v for k, v in COMMON.items() if k != "hidden_act"}, intermediate_size=96, moe_intermediate_size=40,
+        num_experts=8, num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"]),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
