@@ -33,16 +33,17 @@ def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0,
-                expert_format: str = "bf16") -> kt_sft.KTExperts:
+                expert_format: str = "bf16", identity_experts: int = 0) -> kt_sft.KTExperts:
     """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values."""
     gen = torch.Generator().manual_seed(seed)
     E, H, I = shape.E, shape.H, shape.I
     gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
     if expert_format == "bf16":
-        m = kt_sft.KTExperts(gu, dn, train_base=train_base)
+        m = kt_sft.KTExperts(gu, dn, train_base=train_base, identity_experts=identity_experts)
     else:
-        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), train_base=train_base)
+        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), train_base=train_base,
+                             identity_experts=identity_experts)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # A drawn here too (add_lora's init uses the global RNG, which differs between runs
@@ -97,7 +98,7 @@ def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
     A = {p: t.detach().double().requires_grad_() for p, t in A0.items()}
     B = {p: t.detach().double().requires_grad_() for p, t in B0.items()}
     lora = LoraWeights(A, B, m.scaling[m.active_lora()]) if A else None
-    y = moe_experts_reference(xd, idx, wd, gu, dn, lora)
+    y = moe_experts_reference(xd, idx, wd, gu, dn, lora, m.identity_experts)
     leaves = [xd, wd, gu, dn, *A.values(), *B.values()]
     if y.requires_grad:
         y.backward(gout.double())

@@ -56,7 +56,9 @@ Rows<float> gathered(const std::vector<const float*>& ptrs, const Saved& sv, int
 }
 int rows_of(const Saved& sv, int e) { return sv.offset[e + 1] - sv.offset[e]; }
 
-// Counting sort of the (token, k) pairs by expert, tokens in order within an expert.
+// Counting sort of the (token, k) pairs by expert, tokens in order within an expert. A pair whose id is kNoExpert
+// gets no slot (slot_of -1): it adds nothing to its token's output, and its routing weight's grad is 0 (the
+// zero-computation experts of LongCat-Flash, which the Python layer adds itself).
 void route(const View& idx, const View& w, int E, Saved& sv) {
   const int T = sv.T, K = sv.K;
   const int64_t* id = idx.as<int64_t>();
@@ -64,10 +66,12 @@ void route(const View& idx, const View& w, int E, Saved& sv) {
   sv.offset.assign(E + 1, 0);
   for (long i = 0; i < long(T) * K; ++i) {
     int64_t e = id[i];
+    if (e == kNoExpert) continue;
     if (e < 0 || e >= E)
       throw std::invalid_argument("top_k_index holds expert id " + std::to_string(e) + " at token " +
                                   std::to_string(i / K) + "; ids must be in [0, " + std::to_string(E) +
-                                  ") for this layer's " + std::to_string(E) + " experts.");
+                                  ") for this layer's " + std::to_string(E) + " experts (or " +
+                                  std::to_string(kNoExpert) + ": no expert).");
     ++sv.offset[e + 1];
   }
   for (int e = 0; e < E; ++e) sv.offset[e + 1] += sv.offset[e];
@@ -77,6 +81,10 @@ void route(const View& idx, const View& w, int E, Saved& sv) {
   sv.slot_of.resize(size_t(T) * K);
   sv.slot_src.resize(size_t(T) * K);
   for (long i = 0; i < long(T) * K; ++i) {
+    if (id[i] == kNoExpert) {
+      sv.slot_of[i] = -1;
+      continue;
+    }
     const int s = int(fill[id[i]]++);
     sv.slot_token[s] = int(i / K);
     sv.slot_src[s] = int(i);
@@ -127,7 +135,8 @@ void combine(const View& out, const float* rows, long ld, const Saved& sv, const
     std::sort(slots.begin(), slots.end());
     float* acc = per_thread + long(ith) * ld;
     std::fill(acc, acc + ld, 0.f);
-    for (int s : slots) ks.axpy(ld, slot_w ? slot_w[s] : 1.f, rows + long(s) * ld, acc);
+    for (int s : slots)
+      if (s >= 0) ks.axpy(ld, slot_w ? slot_w[s] : 1.f, rows + long(s) * ld, acc);
     store_cols(out, t, 0, acc, ld, ks);
   });
 }
@@ -999,8 +1008,11 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     }
   });
 
-  // d w per slot: its blocks' shares summed in block order (the same sum whatever thread computed each).
+  // d w per slot: its blocks' shares summed in block order (the same sum whatever thread computed each); 0 for the
+  // pairs routed to no expert.
   phase("backward.dw_sum");
+  for (long i = 0; i < N; ++i)
+    if (sv.slot_of[i] < 0) gr.dw.as<float>()[i] = 0.f;
   for_routed_experts(rt, sv, E_, [&](long e, int) {
     const int blocks = int(ceil_div(I, nn_width(tp, int(e), H)));
     for (long slot = sv.offset[e]; slot < sv.offset[e + 1]; ++slot) {

@@ -64,6 +64,10 @@ struct BackwardCopy {
   bool empty() const { return gate_up.empty(); }
 };
 
+// The expert id of a (token, k) pair that no routed expert computes: LongCat-Flash's zero-computation experts,
+// whose output (the token itself, weighted) the Python layer adds.
+constexpr int64_t kNoExpert = -1;
+
 // What forward keeps for backward (one layer, one step): routing, g and u, and the LoRA rank
 // projections. Nothing here aliases the shared scratch.
 struct Saved {

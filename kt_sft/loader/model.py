@@ -138,19 +138,25 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     experts = experts_modules(skeleton, arch)
     if not experts:
         raise arch.no_experts_error(skeleton)
+    Z = arch.identity_count(config)
     for name, layer, module in experts:
-        E, two_i, H = module.gate_up_proj.shape
-        if isinstance(top_k, int) and not 1 <= top_k <= E:
-            raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E} experts; it must "
-                             f"be 1 to {E}.")
+        E, (_, two_i, H) = module.down_proj.shape[0], module.gate_up_proj.shape
+        if isinstance(top_k, int) and not 1 <= top_k <= E + Z:
+            raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E + Z} experts; it "
+                             f"must be 1 to {E + Z}.")
         _check_group_routing(text, E, top_k)
-        extra = weight_keys(fmt, arch.expert_key(layer, E, 0))[0]
-        if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
-            raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
-                             f"{config.model_type} layout gives; check that config.json belongs to these weights.")
+        for extra in (weight_keys(fmt, arch.expert_key(layer, E + Z, 0))[0],
+                      weight_keys(fmt, arch.expert_key(layer, E, 2))[0]):
+            if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
+                raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
+                                 f"{config.model_type} layout gives; check that config.json belongs to these "
+                                 "weights.")
         fused = fused_keys(ckpt, arch, layer, name)
         expected = _check_fused(ckpt, arch, fused, fmt, layer, E, two_i // 2, H) if fused else \
             _check_per_expert(ckpt, config, arch, fmt, layer, E, two_i // 2, H)
+        # Stock LongCat-Flash saves gate and up rows of its zero-computation experts, which no expert reads.
+        expected |= {k for e in range(E, E + Z) for p in (0, 1)
+                     for k in weight_keys(fmt, arch.expert_key(layer, e, p))}
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
         prefixes = experts_key_prefixes(arch, layer, name)
@@ -494,11 +500,13 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
 
     placed = []
     for name, layer, module in experts:
-        E, two_i, H = module.gate_up_proj.shape
+        E, (_, two_i, H) = module.down_proj.shape[0], module.gate_up_proj.shape
         try:
             fused = fused_keys(ckpt, arch, layer, name)
             weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target, fused)
-            engine = KTExpertsLinear(*weights, train_base=train_base) if target == "bf16" else KTExpertsLinear(weights)
+            kwargs = dict(identity_experts=arch.identity_count(config))
+            engine = KTExpertsLinear(*weights, train_base=train_base, **kwargs) if target == "bf16" else \
+                KTExpertsLinear(weights, **kwargs)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
             raise ValueError(f"layer {layer}'s routed experts: {e}") from None
         parent, _, child = name.rpartition(".")

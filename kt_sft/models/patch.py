@@ -60,6 +60,9 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
                     with torch.no_grad():
                         target.copy_(value)
                     filled[f"{name}.{fused}"] = filled.get(f"{name}.{fused}", 0) + 1
+            for e in range(E, E + module.identity_experts):  # what stock LongCat-Flash saves of its zero-computation
+                for key in keys[:2]:  # experts: rows no expert reads
+                    state_dict.pop(key.format(e), None)
 
     def not_missing(module, incompatible):
         # A fused weight this load filled is not missing; under strict=True only when it filled every expert's
@@ -94,7 +97,10 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
         if not arch.holds_experts(module):
             continue
         parent_name, _, child = name.rpartition(".")
-        experts = KTExpertsLinear(module.gate_up_proj.detach(), module.down_proj.detach(), train_base=train_base)
+        # LongCat-Flash's class allots gate/up rows to its zero-computation experts too, which never read them.
+        down = module.down_proj.detach()
+        experts = KTExpertsLinear(module.gate_up_proj.detach()[:down.shape[0]], down, train_base=train_base,
+                                  identity_experts=arch.identity_count(config))
         setattr(model.get_submodule(parent_name), child, experts)
         replaced.append(experts)
     if not replaced:

@@ -29,6 +29,13 @@ class MoEArchitecture:
     # Whether the checkpoint stores a layer's experts fused and transposed from the module's layout: gate_up_proj
     # [E, H, 2I] and down_proj [E, I, H] (Qwen3-VL-MoE as published; transformers reads either layout).
     fused_transposed: bool = False
+    # The config attribute giving how many zero-computation experts follow the routed ones (LongCat-Flash's
+    # zero_expert_num): ids past the routed experts that return the token itself. None: the architecture has none.
+    identity_experts: str | None = None
+
+    def identity_count(self, config) -> int:
+        """How many zero-computation experts config gives this architecture's MoE blocks (0 where it has none)."""
+        return int(getattr(text_config_of(config), self.identity_experts, 0) or 0) if self.identity_experts else 0
 
     def holds_experts(self, module) -> bool:
         """Whether module is this architecture's experts module, or one another library put in its place."""

@@ -178,8 +178,10 @@ class StackedLora(nn.ParameterDict):
 
 class KTExperts(LoadsInPlace, nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
-                 train_base: bool = False, check_finite: bool = False):
-        """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None)."""
+                 train_base: bool = False, check_finite: bool = False, identity_experts: int = 0):
+        """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None).
+        identity_experts: how many zero-computation experts follow the E routed ones (LongCat-Flash): ids E to
+        E + identity_experts - 1 return the token itself, times its routing weight, computed here in PyTorch."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):
@@ -190,6 +192,9 @@ class KTExperts(LoadsInPlace, nn.Module):
         else:
             self._init_bf16(gate_up_proj, down_proj, train_base)
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
+        if isinstance(identity_experts, bool) or not isinstance(identity_experts, int) or identity_experts < 0:
+            raise ValueError(f"identity_experts is {identity_experts!r}; it must be a count, 0 or more.")
+        self.identity_experts = identity_experts
         self._engine_weights = self._weights_read()
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
@@ -672,6 +677,26 @@ class KTExperts(LoadsInPlace, nn.Module):
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             adapter: str | None) -> torch.Tensor:
         """The forward, applying adapter's LoRA (None: the base experts)."""
+        if not self.identity_experts:
+            return self._run(hidden_states, top_k_index, top_k_weights, adapter)
+        # Pairs routed to a zero-computation expert go to no expert in the engine (id -1), and their weighted token
+        # is added here, where autograd gives their weights' and the tokens' grads. Ids past these stay as they
+        # are, for the engine to refuse.
+        E = self.num_experts
+        identity = (top_k_index >= E) & (top_k_index < E + self.identity_experts)
+        routed = top_k_index.masked_fill(identity, -1)
+        share = (top_k_weights * identity).sum(-1, keepdim=True)
+        try:
+            out = self._run(hidden_states, routed, top_k_weights, adapter)
+        except ValueError as e:
+            if not str(e).startswith("top_k_index holds expert id"):
+                raise
+            raise ValueError(f"{e} Here ids {E} to {E + self.identity_experts - 1} are this layer's "
+                             "zero-computation experts.") from None
+        return out + share.to(hidden_states.dtype) * hidden_states
+
+    def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             adapter: str | None) -> torch.Tensor:
         beside = self.take_beside()
         note_caller()
         self._check(hidden_states, top_k_index, top_k_weights)
@@ -747,5 +772,6 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def extra_repr(self) -> str:
         lora = f", lora_r={self.r}" if self.r else ""
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"format={self.expert_format}{lora}")
+        identity = f", identity_experts={self.identity_experts}" if self.identity_experts else ""
+        return (f"experts={self.num_experts}{identity}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, format={self.expert_format}{lora}")

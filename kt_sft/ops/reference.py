@@ -64,8 +64,11 @@ def moe_experts_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     lora: LoraWeights | None = None,
+    identity_experts: int = 0,
 ) -> torch.Tensor:
-    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I]."""
+    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I]. Ids E to
+    E + identity_experts - 1 are zero-computation experts (LongCat-Flash): each returns its token; id -1 is no
+    expert (adds nothing)."""
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
     out = torch.zeros_like(x)
@@ -85,7 +88,8 @@ def moe_experts_reference(
         if lora is not None:
             y = y + _lora(lora, "down", e, h, rows)
         out.index_add_(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
-    return out
+    identity = (top_k_index >= E) & (top_k_index < E + identity_experts)
+    return out + (top_k_weights * identity).sum(-1, keepdim=True) * x
 
 
 def _lora(lora: LoraWeights, proj: str, e: int, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -104,8 +108,9 @@ class ReferenceExperts(torch.nn.Module):
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora_A: dict | None = None,
-                 lora_B: dict | None = None, scale: float = 0.0):
+                 lora_B: dict | None = None, scale: float = 0.0, identity_experts: int = 0):
         super().__init__()
+        self.identity_experts = identity_experts
         self.gate_up_proj = torch.nn.Parameter(gate_up)
         self.down_proj = torch.nn.Parameter(down)
         self.lora_A = torch.nn.ParameterDict({p: torch.nn.Parameter(t) for p, t in (lora_A or {}).items()})
@@ -116,4 +121,4 @@ class ReferenceExperts(torch.nn.Module):
         lora = LoraWeights(dict(self.lora_A), dict(self.lora_B), self.scale) if len(self.lora_A) else None
         w = top_k_weights.to(hidden_states.dtype)
         return moe_experts_reference(hidden_states, top_k_index, w, self.gate_up_proj.to(hidden_states.dtype),
-                                     self.down_proj.to(hidden_states.dtype), lora)
+                                     self.down_proj.to(hidden_states.dtype), lora, self.identity_experts)

@@ -1,10 +1,10 @@
 """LoRA through the stock `llamafactory-cli` on the architectures added after the first six: tiny Qwen3-Next (gated
 DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts saved fused), MiniMax-M2 (Mixtral's
-expert names, sigmoid routing with a correction bias), Jamba (Mamba layers), LFM2-MoE (short convolutions), OLMoE,
-dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse attention's indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its
-router and shared experts renamed), EXAONE MoE, Solar Open, FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's expert names,
-its router renamed), each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds
-the experts' LoRA."""
+expert names, sigmoid routing with a correction bias), Jamba (Mamba layers), LFM2-MoE (short convolutions),
+LongCat-Flash (zero-computation experts), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse attention's
+indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open,
+FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's expert names, its router renamed), each prepared from a checkpoint as
+transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -69,6 +69,12 @@ CONFIGS = {
         n_routed_experts=16, n_shared_experts=1),
     "flex_olmo": lambda v: transformers.FlexOlmoConfig(
         vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, num_experts=16),
+    "longcat_flash": lambda v: transformers.LongcatFlashConfig(  # 16 routed experts and 8 returning the token
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("num_hidden_layers", "num_key_value_heads",
+                                                                      "head_dim", "num_experts_per_tok")},
+        num_layers=2, num_key_value_heads=4, ffn_hidden_size=64, expert_ffn_hidden_size=64, n_routed_experts=16,
+        zero_expert_num=8, moe_topk=4, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        head_dim=16, v_head_dim=32),
     "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
                                                 num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
                                                 sliding_window=64),

@@ -45,7 +45,8 @@ def kt_and_reference(model_type):
             A, B = module.lora_A["default"], module.lora_B["default"]
             new = ReferenceExperts(module.gate_up_proj.detach().float(), module.down_proj.detach().float(),
                                    {p: t.detach().clone() for p, t in A.items()},
-                                   {p: t.detach().clone() for p, t in B.items()}, module.scaling["default"])
+                                   {p: t.detach().clone() for p, t in B.items()}, module.scaling["default"],
+                                   module.identity_experts)
             new.gate_up_proj.requires_grad_(False)
             new.down_proj.requires_grad_(False)
             parent, _, child = name.rpartition(".")

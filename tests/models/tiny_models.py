@@ -107,6 +107,11 @@ CONFIGS = {
     "lfm2_moe": lambda: transformers.Lfm2MoeConfig(  # a dense convolution layer, then attention with experts
         **{k: v for k, v in COMMON.items() if k != "hidden_act"}, intermediate_size=96, moe_intermediate_size=40,
         num_experts=8, num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention"]),
+    "longcat_flash": lambda: transformers.LongcatFlashConfig(  # 6 routed experts and 2 returning the token itself
+        **{k: v for k, v in COMMON.items() if k not in ("num_hidden_layers", "num_key_value_heads")}, num_layers=2,
+        num_key_value_heads=4, ffn_hidden_size=96, expert_ffn_hidden_size=40, n_routed_experts=6, zero_expert_num=2,
+        moe_topk=2, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, head_dim=8,
+        v_head_dim=16),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),

@@ -177,7 +177,7 @@ def module():
         (lambda x, i, w: (x, i[:-1], w[:-1]), "must both be"),
         (lambda x, i, w: (x, i.float(), w), "integer expert ids"),
         (lambda x, i, w: (x, torch.where(i == i[0, 0], 8, i), w), r"expert id 8 .* \[0, 8\)"),
-        (lambda x, i, w: (x, torch.where(i == i[0, 0], -1, i), w), r"expert id -1"),
+        (lambda x, i, w: (x, torch.where(i == i[0, 0], -2, i), w), r"expert id -2 .* \(or -1: no expert\)"),
         (lambda x, i, w: (x, i, w.long()), "floating-point"),
         (lambda x, i, w: (x.to("meta"), i, w), "hidden_states is a meta tensor"),
         (lambda x, i, w: (x, i, w.to("meta")), "top_k_weights is a meta tensor"),

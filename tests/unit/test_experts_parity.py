@@ -280,3 +280,52 @@ def test_inference_forward_saves_nothing_and_matches(kernels):
     assert y.grad_fn is None
     ref = run_reference(m, x, idx, w, torch.zeros_like(x))["y"]
     assert rel_l2(y, ref) <= FP32_IO
+
+
+# Pairs routed to no expert (id -1: LongCat-Flash's zero-computation experts, which KTExperts adds in PyTorch) add
+# nothing and get a zero weight grad; a token of only such pairs gets a zero row. Decode sizes take the one-phase
+# forward, the others the three phases.
+@pytest.mark.parametrize("shape", [SHAPES[0], Shape("decode_t1", T=1, H=96, I=64, E=8, K=4),
+                                   Shape("decode_t2", T=2, H=96, I=64, E=8, K=4)], ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_pairs_routed_to_no_expert(kernels, shape, mode):
+    m = make_module(shape, lora=mode == "lora", train_base=mode == "full")
+    x, idx, w, g = inputs(shape)
+    idx = idx.clone()
+    idx.view(-1)[::3] = -1
+    if shape.T > 2:
+        idx[0] = -1
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    assert (got["dw"][idx == -1] == 0).all()
+    for key in ("d_gate_up", "d_down") if mode == "full" else ():  # BF16 param.grad, as test_full_mode_parity's
+        err = rel_l2(got.pop(key), ref.pop(key))
+        assert err <= BF16_GRAD, f"{key} rel L2 {err:.2e}"
+    check(got, ref, FP32_IO, shape)
+    if shape.T > 2:
+        assert (got["y"][0] == 0).all()
+
+
+# Zero-computation experts (ids E to E + Z - 1) return their token times its weight, beside the routed experts;
+# ids past them are refused, naming them.
+@pytest.mark.parametrize("T", [1, 40])
+def test_identity_experts_return_their_tokens(kernels, T):
+    shape = Shape("identity", T=T, H=64, I=48, E=6, K=3)
+    m = make_module(shape, lora=True, identity_experts=3)
+    x, _, w, g = inputs(shape)
+    idx = torch.stack([torch.randperm(9, generator=torch.Generator().manual_seed(t))[:3] for t in range(T)])
+    idx[0] = torch.tensor([6, 8, 1])  # the routed and the identity experts both
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), FP32_IO, shape)
+    with pytest.raises(ValueError, match=r"expert id 9 .* ids 6 to 8 are this layer's zero-computation experts"):
+        m(x, torch.where(idx == idx[0, 0], 9, idx), w)
+
+
+@pytest.mark.parametrize("T", [2, 40])
+def test_pairs_routed_to_no_expert_on_tiles(tiles, T):
+    shape = Shape("no_expert_tiles", T=T, H=64, I=48, E=4, K=3)
+    m = make_module(shape, lora=True)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    idx = idx.clone()
+    idx.view(-1)[1::3] = -1
+    got = run_engine(m, x, idx, w, g)
+    assert (got["dw"][idx == -1] == 0).all()
+    check(got, run_reference(m, x, idx, w, g), for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
