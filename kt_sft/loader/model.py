@@ -21,7 +21,7 @@ from .._ext import profile_every, require_one_process, require_settings
 from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.registry import text_config_of
-from ..models.patch import accept_per_expert_weights, overlap_with_the_engine
+from ..models.patch import accept_per_expert_weights, overlap_with_the_engine, use_block_forward
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
@@ -140,7 +140,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         raise arch.no_experts_error(skeleton)
     Z = arch.identity_count(config)
     for name, layer, module in experts:
-        E, (_, two_i, H) = module.down_proj.shape[0], module.gate_up_proj.shape
+        E, I, H = arch.expert_dims(module)
         if isinstance(top_k, int) and not 1 <= top_k <= E + Z:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E + Z} experts; it "
                              f"must be 1 to {E + Z}.")
@@ -152,8 +152,8 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                  f"{config.model_type} layout gives; check that config.json belongs to these "
                                  "weights.")
         fused = fused_keys(ckpt, arch, layer, name)
-        expected = _check_fused(ckpt, arch, fused, fmt, layer, E, two_i // 2, H) if fused else \
-            _check_per_expert(ckpt, config, arch, fmt, layer, E, two_i // 2, H)
+        expected = _check_fused(ckpt, arch, fused, fmt, layer, E, I, H) if fused else \
+            _check_per_expert(ckpt, config, arch, fmt, layer, E, I, H)
         # Stock LongCat-Flash saves gate and up rows of its zero-computation experts, which no expert reads.
         expected |= {k for e in range(E, E + Z) for p in (0, 1)
                      for k in weight_keys(fmt, arch.expert_key(layer, e, p))}
@@ -500,11 +500,11 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
 
     placed = []
     for name, layer, module in experts:
-        E, (_, two_i, H) = module.down_proj.shape[0], module.gate_up_proj.shape
+        E, I, H = arch.expert_dims(module)
         try:
             fused = fused_keys(ckpt, arch, layer, name)
-            weights = load_experts(ckpt, arch, layer, E, H, two_i // 2, fmt, target, fused)
-            kwargs = dict(identity_experts=arch.identity_count(config))
+            weights = load_experts(ckpt, arch, layer, E, H, I, fmt, target, fused)
+            kwargs = dict(identity_experts=arch.identity_count(config), stock_transposed=arch.module_transposed)
             engine = KTExpertsLinear(*weights, train_base=train_base, **kwargs) if target == "bf16" else \
                 KTExpertsLinear(weights, **kwargs)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer
@@ -513,6 +513,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         setattr(model.get_submodule(parent), child, engine)
         placed.append(engine)
 
+    use_block_forward(model, arch)
     overlap_with_the_engine(model, arch)
     WarnMissedExpertTargets(model, placed)
     if target == "bf16":

@@ -5,6 +5,8 @@ streams expert shards straight into the engine instead of materializing them her
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -74,6 +76,17 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     model.register_load_state_dict_post_hook(not_missing)
 
 
+def use_block_forward(model: nn.Module, arch: MoEArchitecture) -> None:
+    """Puts arch.block_forward (Llama 4's) on every MoE block whose experts the engine computes."""
+    from ..nn.experts import KTExperts
+
+    if arch.block_forward is None:
+        return
+    for block in model.modules():
+        if isinstance(getattr(block, "experts", None), KTExperts):
+            block.forward = types.MethodType(arch.block_forward, block)
+
+
 def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
     """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts
     (models/overlap.py) and, under gradient checkpointing, the recompute of the layer before a layer whose
@@ -98,13 +111,16 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         # LongCat-Flash's class allots gate/up rows to its zero-computation experts too, which never read them.
-        down = module.down_proj.detach()
-        experts = KTExpertsLinear(module.gate_up_proj.detach()[:down.shape[0]], down, train_base=train_base,
-                                  identity_experts=arch.identity_count(config))
+        gate_up, down = module.gate_up_proj.detach()[:arch.expert_dims(module)[0]], module.down_proj.detach()
+        if arch.module_transposed:
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        experts = KTExpertsLinear(gate_up, down, train_base=train_base, identity_experts=arch.identity_count(config),
+                                  stock_transposed=arch.module_transposed)
         setattr(model.get_submodule(parent_name), child, experts)
         replaced.append(experts)
     if not replaced:
         raise arch.no_experts_error(model)
+    use_block_forward(model, arch)
     overlap_with_the_engine(model, arch)
     accept_per_expert_weights(model, arch)
     WarnMissedExpertTargets(model, replaced)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 
 # Classes other libraries put in place of an architecture's experts class, with its weights' layout and its call:
@@ -32,6 +33,18 @@ class MoEArchitecture:
     # The config attribute giving how many zero-computation experts follow the routed ones (LongCat-Flash's
     # zero_expert_num): ids past the routed experts that return the token itself. None: the architecture has none.
     identity_experts: str | None = None
+    # Whether the transformers module itself holds the experts transposed from the engine's layout, gate_up_proj
+    # [E, H, 2I] and down_proj [E, I, H], as its checkpoints store them (Llama 4); its state dicts keep that layout.
+    module_transposed: bool = False
+    # A forward put on the MoE blocks whose experts the engine computes, where the stock block does not call them as
+    # transformers 5's call does (Llama 4's computes every expert on every token); None: the stock block's.
+    block_forward: Callable | None = None
+
+    def expert_dims(self, module) -> tuple[int, int, int]:
+        """(E, I, H) of an experts module of this architecture, from its down_proj (LongCat-Flash's gate_up_proj
+        also has rows for its zero-computation experts)."""
+        E, a, b = module.down_proj.shape
+        return (E, a, b) if self.module_transposed else (E, b, a)
 
     def identity_count(self, config) -> int:
         """How many zero-computation experts config gives this architecture's MoE blocks (0 where it has none)."""

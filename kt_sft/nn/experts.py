@@ -146,6 +146,22 @@ def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
+def _stock_weight_keys(state_dict, prefix: str) -> list[str]:
+    """The keys of an experts module's BF16 weights in its state dict: its own, or its PEFT base layer's."""
+    return [prefix + inner + name for inner in ("", "base_layer.") for name in ("gate_up_proj", "down_proj")
+            if prefix + inner + name in state_dict]
+
+
+def _weights_transposed(module, state_dict, prefix, local_metadata):
+    for key in _stock_weight_keys(state_dict, prefix):
+        state_dict[key] = state_dict[key].transpose(1, 2)
+
+
+def _weights_transposed_back(state_dict, prefix, *args):
+    for key in _stock_weight_keys(state_dict, prefix):
+        state_dict[key] = state_dict[key].transpose(1, 2)
+
+
 class LoadsInPlace:
     """Mixed into modules whose own parameters and buffers are expert weights the engine reads in place."""
 
@@ -178,10 +194,14 @@ class StackedLora(nn.ParameterDict):
 
 class KTExperts(LoadsInPlace, nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
-                 train_base: bool = False, check_finite: bool = False, identity_experts: int = 0):
+                 train_base: bool = False, check_finite: bool = False, identity_experts: int = 0,
+                 stock_transposed: bool = False):
         """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None).
         identity_experts: how many zero-computation experts follow the E routed ones (LongCat-Flash): ids E to
-        E + identity_experts - 1 return the token itself, times its routing weight, computed here in PyTorch."""
+        E + identity_experts - 1 return the token itself, times its routing weight, computed here in PyTorch.
+        stock_transposed: state dicts carry the weights as the stock module holds them, transposed from the
+        engine's layout (Llama 4: gate_up_proj [E, H, 2I], down_proj [E, I, H]), so that a save loads in stock
+        transformers and a stock save loads here."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):
@@ -194,7 +214,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
         if isinstance(identity_experts, bool) or not isinstance(identity_experts, int) or identity_experts < 0:
             raise ValueError(f"identity_experts is {identity_experts!r}; it must be a count, 0 or more.")
-        self.identity_experts = identity_experts
+        self.identity_experts, self.stock_transposed = identity_experts, stock_transposed
+        if stock_transposed:
+            self._register_state_dict_hook(_weights_transposed)
+            self._register_load_state_dict_pre_hook(_weights_transposed_back)
         self._engine_weights = self._weights_read()
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients

@@ -227,15 +227,17 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         adapters, then loads the last)."""
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        same = dict(check_finite=self.check_finite, identity_experts=self.identity_experts,
+                    stock_transposed=self.stock_transposed)
         if self.expert_format == "bf16":
             gate_up, down = self.gate_up_proj, self.down_proj
             experts = KTExpertsLinear(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
-                                      check_finite=self.check_finite)
+                                      **same)
             for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
                 if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
                     new.data = old.data
         else:
-            experts = KTExpertsLinear(self.quantized_weights(), check_finite=self.check_finite)
+            experts = KTExpertsLinear(self.quantized_weights(), **same)
         guard = self.__dict__.get("base_guard")  # the loader's refusal of training base weights beside these experts
         if guard is not None:
             guard.watch(experts)

@@ -12,7 +12,7 @@ from kt_sft.cli import run
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import save_checkpoint, tiny_model
-from tolerances import FP32_IO, rel_l2
+from tolerances import FP32_IO, MERGED_BF16, rel_l2
 
 IDS = torch.randint(0, 96, (3, 12), generator=torch.Generator().manual_seed(0))
 
@@ -82,3 +82,14 @@ def test_a_stock_save_loads_strictly_into_the_cpu_experts(tmp_path):
     kt.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
     with torch.no_grad():
         assert rel_l2(kt(IDS).logits, stock(IDS).logits) <= FP32_IO
+
+
+def test_merged_and_unloaded_experts_keep_their_identity_experts():
+    # PEFT's merge_and_unload puts new experts modules in place of the adapted ones.
+    from test_peft_parity import kt_and_reference
+    kt, _ = kt_and_reference("longcat_flash")
+    with torch.no_grad():
+        adapter = kt(IDS).logits
+        merged = kt.merge_and_unload()
+        assert all(m.identity_experts == 2 for m in merged.modules() if isinstance(m, KTExpertsLinear))
+        assert rel_l2(merged(IDS).logits, adapter) <= MERGED_BF16

@@ -1,6 +1,7 @@
 """Model level: stock transformers + PEFT with the experts swapped for the CPU engine, against the stock
 model whose experts carry the same LoRA in plain PyTorch (kt_sft.ops.reference.ReferenceExperts)."""
 import copy
+import types
 import warnings
 
 import peft
@@ -10,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors import safe_open
 
 import kt_sft
-from kt_sft.models import use_cpu_experts
+from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.ops.reference import ReferenceExperts, moe_experts_reference
 from kt_sft.peft.layer import KTExpertsLinear
 from tiny_models import CONFIGS, tiny_model
@@ -40,6 +41,7 @@ def kt_and_reference(model_type):
     state = kt.state_dict()
     ref.load_state_dict({k: v for k, v in state.items() if any(f"{p}.lora_" in k for p in OUTPUT_PROJECTIONS)},
                         strict=False)
+    block_forward = architecture_of(stock.config).block_forward
     for name, module in list(kt.named_modules()):
         if isinstance(module, KTExpertsLinear):
             A, B = module.lora_A["default"], module.lora_B["default"]
@@ -51,6 +53,8 @@ def kt_and_reference(model_type):
             new.down_proj.requires_grad_(False)
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, new)
+            if block_forward is not None:  # Llama 4's block, calling its experts as ours does
+                ref.get_submodule(parent).forward = types.MethodType(block_forward, ref.get_submodule(parent))
     return kt, ref
 
 

@@ -1,0 +1,94 @@
+"""Llama 4: its MoE block scales each token by its routing weight before the experts, which the stock block runs on
+every token (the unrouted ones on zeros); kt_sft's block gives the engine the scaled tokens of each routed expert.
+Tiny image-text models against stock transformers, with images, at top-1 (as published) and top-2; their saves in
+the stock (transposed) layout."""
+import copy
+import warnings
+
+import peft
+import pytest
+import torch
+import transformers
+
+from kt_sft.cli import run
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.models import use_cpu_experts
+from kt_sft.models.overlap import installed_overlaps
+from kt_sft.peft.layer import KTExpertsLinear
+from test_peft_parity import kt_and_reference, train_alike
+from tiny_models import CONFIGS, save_checkpoint, tiny_model
+from tolerances import FP32_IO, MERGED_BF16, rel_l2
+
+
+def batch(seed: int) -> dict:
+    """Two rows of text, each with one 16x16 image (4 image tokens), and labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 96, (2, 14), generator=g)
+    ids[:, 3:7] = 96
+    return dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), labels=ids)
+
+
+def model_at_top_k(top_k: int):
+    torch.manual_seed(0)
+    config = CONFIGS["llama4"]()
+    config.text_config.num_experts_per_tok = top_k
+    return tiny_model("llama4") if top_k == 1 else \
+        transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_logits_with_images_match_stock(top_k):
+    stock = model_at_top_k(top_k)
+    with torch.no_grad():  # the engine's BF16 weights
+        for block in (m for m in stock.modules() if type(m).__name__ == "Llama4TextExperts"):
+            for p in (block.gate_up_proj, block.down_proj):
+                p.copy_(p.bfloat16().float())
+    kt = copy.deepcopy(stock)
+    assert use_cpu_experts(kt) == 2
+    inputs = {k: v for k, v in batch(0).items() if k != "labels"}
+    with torch.no_grad():
+        assert rel_l2(kt(**inputs).logits, stock(**inputs).logits) <= FP32_IO
+
+
+def test_lora_training_steps_with_images_match_reference():
+    train_alike(*kt_and_reference("llama4"), batch)
+
+
+def test_the_shared_expert_runs_beside_the_engine():
+    kt, _ = kt_and_reference("llama4")
+    assert len(installed_overlaps(kt)) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the overlap turns itself off with a warning
+        kt(**batch(1)).loss.backward()
+    assert len(installed_overlaps(kt)) == 2
+
+
+def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path):
+    kt, _ = kt_and_reference("llama4")
+    inputs = {k: v for k, v in batch(2).items() if k != "labels"}
+    with torch.no_grad():
+        adapter = kt(**inputs).logits
+    merged = kt.merge_and_unload()
+    assert all(isinstance(m, KTExpertsLinear) for m in merged.modules() if type(m).__name__.endswith("Experts"))
+    state = merged.state_dict()
+    assert state["language_model.model.layers.0.feed_forward.experts.gate_up_proj"].shape == (6, 64, 80)
+    merged.save_pretrained(tmp_path)
+    stock = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(stock(**inputs).logits, adapter) <= MERGED_BF16
+
+
+def test_kt_sft_merge_writes_the_published_layout_that_stock_transformers_loads(tmp_path):
+    model = tiny_model("llama4")
+    save_checkpoint(model, tmp_path / "model")  # as published: experts fused and transposed, as the module holds them
+    use_cpu_experts(model)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(model.requires_grad_(False), lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert run(["merge", str(tmp_path / "model"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    before, after = Checkpoint(tmp_path / "model"), Checkpoint(tmp_path / "merged")
+    assert all(before.shape(k) == after.shape(k) for k in before.keys())
+    merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    inputs = {k: v for k, v in batch(3).items() if k != "labels"}
+    with torch.no_grad():
+        assert rel_l2(merged(**inputs).logits, peft_model(**inputs).logits) <= FP32_IO
