@@ -1,4 +1,4 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE or GLM-4.5V as published (no hub access): config, weights (Qwen's experts fused,
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V or Llama 4 as published (no hub access): config, weights (Qwen's experts fused,
 Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its image
 and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
 multimodal sharegpt format."""
@@ -49,6 +49,56 @@ GLM_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
 
 
+# Llama 4's special tokens, and its chat format (LLaMA-Factory's llama4 template) as a chat template: an image is
+# <|image|>, which its processor expands into the image's tokens.
+LLAMA4_SPECIAL = ["<|end_of_text|>", "<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>",
+                  "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+                  "<|tile_y_separator|>"]
+LLAMA4_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|image|>' %}"
+    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- set content = content.s %}{%- endif %}"
+    "{{- '<|header_start|>' + message['role'] + '<|header_end|>\n\n' + content + '<|eot|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\n\n' }}{%- endif %}")
+
+
+def _llama4(out: Path, seed: int) -> Path:
+    """A tiny Llama 4 (its experts fused and transposed, as the module holds them and as published; a shared expert;
+    16x16 image tiles of 4x4 patches, shuffled into 4 image tokens) with its tokenizer and processor."""
+    import transformers
+    from transformers.models.llama4.image_processing_llama4 import Llama4ImageProcessor
+    tok = _tokenizer(LLAMA4_SPECIAL, [], "<|eot|>", LLAMA4_TEMPLATE)
+    tok.bos_token = "<|begin_of_text|>"
+    ids = {t: tok.convert_tokens_to_ids(t) for t in LLAMA4_SPECIAL}
+    text = dict(vocab_size=288, hidden_size=128, intermediate_size=32, intermediate_size_mlp=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=1,
+                interleave_moe_layer_step=1, no_rope_layers=[1, 0], max_position_embeddings=4096,
+                tie_word_embeddings=False, eos_token_id=ids["<|eot|>"], bos_token_id=ids["<|begin_of_text|>"],
+                pad_token_id=ids["<|end_of_text|>"])
+    vision = dict(hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                  patch_size=4, projector_input_dim=128, projector_output_dim=128, vision_output_dim=128,
+                  pixel_shuffle_ratio=0.5)
+    config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=ids["<|patch|>"],
+                                       boi_token_index=ids["<|image_start|>"], eoi_token_index=ids["<|image_end|>"],
+                                       tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForConditionalGeneration(config)
+    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
+        model.get_output_embeddings().weight.normal_(0, 0.15)
+    model.save_pretrained(out)
+    transformers.GenerationConfig(eos_token_id=[ids["<|eot|>"], ids["<|eom|>"]], pad_token_id=ids["<|end_of_text|>"],
+                                  bos_token_id=ids["<|begin_of_text|>"], do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
+    images = Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=1, image_mean=[0.5] * 3,
+                                  image_std=[0.5] * 3)
+    transformers.Llama4Processor(image_processor=images, tokenizer=tok, patch_size=4, pixel_shuffle_ratio=0.5,
+                                 chat_template=LLAMA4_TEMPLATE).save_pretrained(out)
+    return out
+
+
 def _tokenizer(special, extra, eos, template):
     from transformers import Qwen2Tokenizer
     from tokenizers.pre_tokenizers import ByteLevel
@@ -67,6 +117,8 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
     holds them) or glm4v_moe (shared experts, sigmoid routing; its experts per expert). Hidden 128, 2I = 64 and
     I = 32 all differ, so a transposed read of the experts cannot pass unnoticed."""
     import transformers
+    if model_type == "llama4":
+        return _llama4(out, seed)
     glm = model_type == "glm4v_moe"
     tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
         _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
