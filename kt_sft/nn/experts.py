@@ -146,20 +146,12 @@ def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
-def _stock_weight_keys(state_dict, prefix: str) -> list[str]:
-    """The keys of an experts module's BF16 weights in its state dict: its own, or its PEFT base layer's."""
-    return [prefix + inner + name for inner in ("", "base_layer.") for name in ("gate_up_proj", "down_proj")
-            if prefix + inner + name in state_dict]
-
-
-def _weights_transposed(module, state_dict, prefix, local_metadata):
-    for key in _stock_weight_keys(state_dict, prefix):
-        state_dict[key] = state_dict[key].transpose(1, 2)
-
-
-def _weights_transposed_back(state_dict, prefix, *args):
-    for key in _stock_weight_keys(state_dict, prefix):
-        state_dict[key] = state_dict[key].transpose(1, 2)
+def _transpose_weights(state_dict, prefix: str) -> None:
+    """An experts module's BF16 weights in a state dict (its own, or its PEFT base layer's) between the engine's
+    layout and the stock module's transposed one (Llama 4's), either way."""
+    for key in (prefix + inner + name for inner in ("", "base_layer.") for name in ("gate_up_proj", "down_proj")):
+        if key in state_dict:
+            state_dict[key] = state_dict[key].transpose(1, 2)
 
 
 class LoadsInPlace:
@@ -216,8 +208,8 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"identity_experts is {identity_experts!r}; it must be a count, 0 or more.")
         self.identity_experts, self.stock_transposed = identity_experts, stock_transposed
         if stock_transposed:
-            self._register_state_dict_hook(_weights_transposed)
-            self._register_load_state_dict_pre_hook(_weights_transposed_back)
+            self._register_state_dict_hook(lambda module, state, prefix, metadata: _transpose_weights(state, prefix))
+            self._register_load_state_dict_pre_hook(lambda state, prefix, *args: _transpose_weights(state, prefix))
         self._engine_weights = self._weights_read()
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
@@ -707,15 +699,14 @@ class KTExperts(LoadsInPlace, nn.Module):
         # are, for the engine to refuse.
         E = self.num_experts
         identity = (top_k_index >= E) & (top_k_index < E + self.identity_experts)
-        routed = top_k_index.masked_fill(identity, -1)
-        share = (top_k_weights * identity).sum(-1, keepdim=True)
-        try:
-            out = self._run(hidden_states, routed, top_k_weights, adapter)
+        try:  # the inputs' checks first: a bad input gets their message, not a broadcasting error below
+            out = self._run(hidden_states, top_k_index.masked_fill(identity, -1), top_k_weights, adapter)
         except ValueError as e:
             if not str(e).startswith("top_k_index holds expert id"):
                 raise
             raise ValueError(f"{e} Here ids {E} to {E + self.identity_experts - 1} are this layer's "
                              "zero-computation experts.") from None
+        share = (top_k_weights * identity).sum(-1, keepdim=True)
         return out + share.to(hidden_states.dtype) * hidden_states
 
     def _run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -8,6 +8,7 @@ from peft import LoraConfig, get_peft_model
 
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
+from test_llama4 import batch as llama4_batch
 from tiny_models import image_batch, tiny_model
 from tolerances import AUTOCAST_LOSS, BF16_IO, GPU_VS_CPU, rel_l2
 
@@ -42,10 +43,12 @@ def step_grads(model, device, autocast, batch=None):
                                         "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open",
                                         "flex_olmo", "qwen3_5_moe_text", "qwen3_vl_moe", "qwen3_vl_moe+images",
                                         "qwen3_5_moe+images", "glm4v_moe+images", "phimoe", "hy_v3", "jamba", "lfm2_moe",
-                                        "longcat_flash"])
+                                        "longcat_flash", "llama4+images"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     model_type, _, images = model_type.partition("+")  # the image-text models: their vision tower on CUDA too
-    batch = image_batch(0) if images else None
+    # Llama 4's images: its own batch (its LoRA on o_proj reaches the vision tower, whose grads a text batch leaves
+    # None).
+    batch = (llama4_batch if model_type == "llama4" else image_batch)(0) if images else None
     base = lora_model(model_type)
     gpu = lora_model(model_type)
     loss_cpu, g_cpu = step_grads(base, torch.device("cpu"), autocast=False, batch=batch)
