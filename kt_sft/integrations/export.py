@@ -30,10 +30,10 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 # lists it.
 _LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_(?:embedding_)?[AB](?:\.weight)?$")
 # A stacked expert LoRA tensor: whatever precedes the model's layers (PEFT's `base_model.model.`), the layer (an
-# image-text model's text layers: model.language_model.layers.N), the experts module inside it, A or B, and the
-# projection.
-STACKED_KEY = re.compile(r"^(?P<pre>.*?)model\.(?:language_model\.)?layers\.(?P<layer>\d+)\..*experts\."
-                         r"lora_(?P<ab>[AB])\.(?P<proj>gate|up|down)$")
+# image-text model's text layers: model.language_model.layers.N, Llama 4's language_model.model.layers.N), the
+# experts module inside it, A or B, and the projection.
+STACKED_KEY = re.compile(r"^(?P<pre>.*?)(?:language_model\.model\.|model\.(?:language_model\.)?)"
+                         r"layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\.(?P<proj>gate|up|down)$")
 
 
 def json_object(path: Path, damaged: str, kind: str) -> dict:
@@ -191,9 +191,11 @@ def expert_sizes(model: dict) -> tuple:
     whichever of the architectures' names it uses; None where it gives none)."""
     text = model.get("text_config") or model
     experts = next((text[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in text), None)
-    # The experts' own width: Mixtral names it intermediate_size, the others (whose intermediate_size is their
-    # dense layers') moe_intermediate_size.
-    return experts, text.get("hidden_size"), text.get("moe_intermediate_size", text.get("intermediate_size"))
+    # The experts' own width: Mixtral names it intermediate_size, LongCat-Flash expert_ffn_hidden_size, the others
+    # (whose intermediate_size is their dense layers') moe_intermediate_size.
+    width = next((text[k] for k in ("moe_intermediate_size", "expert_ffn_hidden_size") if k in text),
+                 text.get("intermediate_size"))
+    return experts, text.get("hidden_size"), width
 
 
 def check_stacked(m: re.Match, t, model: dict, r: int) -> None:

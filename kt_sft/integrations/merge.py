@@ -178,7 +178,7 @@ def fused_experts(ckpt: Checkpoint, arch, model: dict, prefix: str,
     if keys is None:
         return None
     E, H, I = expert_sizes(model)
-    return keys, fused_transposed(ckpt, arch, keys, E, I, H)
+    return keys, fused_transposed(ckpt, arch, keys, E, I, H, ckpt.shape(keys[0])[0] - E)
 
 
 def merged_fused(ckpt: Checkpoint, key: str, slices: list[tuple[FusedSlice, tuple]],

@@ -152,7 +152,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                  f"{config.model_type} layout gives; check that config.json belongs to these "
                                  "weights.")
         fused = fused_keys(ckpt, arch, layer, name)
-        expected = _check_fused(ckpt, arch, fused, fmt, layer, E, I, H) if fused else \
+        expected = _check_fused(ckpt, arch, fused, fmt, layer, E, I, H, Z) if fused else \
             _check_per_expert(ckpt, config, arch, fmt, layer, E, I, H)
         # Stock LongCat-Flash saves gate and up rows of its zero-computation experts, which no expert reads.
         expected |= {k for e in range(E, E + Z) for p in (0, 1)
@@ -225,24 +225,27 @@ def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = ""
     return None
 
 
-def fused_shapes(arch, E: int, I: int, H: int) -> dict[tuple, bool]:
+def fused_shapes(arch, E: int, I: int, H: int, Z: int = 0) -> dict[tuple, bool]:
     """The shapes a layer's fused experts may be stored in -> whether they are transposed from the transformers 5
     module's gate_up_proj [E, 2I, H] and down_proj [E, H, I]: the module's, and the transposed ones where the
     architecture publishes those (Qwen3-VL-MoE; transformers reads both). Never the same pair: that would take
-    H = 2I and H = I at once."""
-    shapes = {((E, 2 * I, H), (E, H, I)): False}
-    if arch.fused_transposed:
-        shapes[(E, H, 2 * I), (E, I, H)] = True
+    H = 2I and H = I at once. Z zero-computation experts: gate_up_proj may also have E + Z rows, as LongCat-Flash's
+    module holds it (the last Z unread)."""
+    shapes = {}
+    for rows in dict.fromkeys((E, E + Z)):
+        shapes[(rows, 2 * I, H), (E, H, I)] = False
+        if arch.fused_transposed:
+            shapes[(rows, H, 2 * I), (E, I, H)] = True
     return shapes
 
 
-def fused_transposed(ckpt: Checkpoint, arch, keys: tuple[str, str], E: int, I: int, H: int) -> bool:
+def fused_transposed(ckpt: Checkpoint, arch, keys: tuple[str, str], E: int, I: int, H: int, Z: int = 0) -> bool:
     """Whether a layer's fused experts (keys, checked by _check_fused) are stored transposed."""
-    return fused_shapes(arch, E, I, H)[tuple(ckpt.shape(k) for k in keys)]
+    return fused_shapes(arch, E, I, H, Z)[tuple(ckpt.shape(k) for k in keys)]
 
 
 def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer: int, E: int, I: int,
-                 H: int) -> set[str]:
+                 H: int, Z: int = 0) -> set[str]:
     if fmt != "bf16":
         raise ValueError(f"the checkpoint stores layer {layer}'s {fmt.upper()} routed experts fused ({keys[0]}), where "
                          f"kt_sft reads {fmt.upper()} experts one tensor per expert, as they are published; prepare "
@@ -253,7 +256,7 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                              "need both; the checkpoint is incomplete: save or download it again.")
         if ckpt.dtype(key) not in _STORED_DTYPES["bf16"][0]:
             raise _stored_dtype_error(key, ckpt.dtype(key), fmt, _STORED_DTYPES["bf16"][0])
-    shapes = fused_shapes(arch, E, I, H)
+    shapes = fused_shapes(arch, E, I, H, Z)
     stored = tuple(ckpt.shape(k) for k in keys)
     if stored not in shapes:
         said = " or ".join(" and ".join(str(list(s)) for s in pair) for pair in shapes)
@@ -331,15 +334,16 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
                  fused: tuple[str, str] | None = None):
     """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts. fused: the
     keys of experts stored fused (fused_keys; BF16 or float): read whole where they are in the engine's layout
-    already, else (transposed) expert by expert."""
+    already, else (transposed, or with rows for zero-computation experts) expert by expert."""
     if fused is not None:
-        transposed = fused_transposed(ckpt, arch, fused, E, I, H)
+        rows = ckpt.shape(fused[0])[0]
+        transposed = fused_transposed(ckpt, arch, fused, E, I, H, rows - E)
         if target == "bf16":
             gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
-            if transposed:
+            if transposed or rows != E:
                 for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
-                    gate_up[e].copy_(ckpt.read_slice(fused[0], e).T)
-                    down[e].copy_(ckpt.read_slice(fused[1], e).T)
+                    for dst, key in ((gate_up[e], fused[0]), (down[e], fused[1])):
+                        dst.copy_(ckpt.read_slice(key, e).T if transposed else ckpt.read_slice(key, e))
             else:
                 ckpt.read_into(fused[0], gate_up)
                 ckpt.read_into(fused[1], down)

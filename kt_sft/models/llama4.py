@@ -11,13 +11,16 @@ from .registry import MoEArchitecture, register
 
 def scaled_input_forward(block, hidden_states):
     """Llama4TextMoe's forward, its experts on the engine: Σ_k expert_k(x · s_k) + shared_expert(x) over the top_k
-    experts of each token (one per engine call: the engine weighs the experts' outputs, not their inputs)."""
+    experts of each token. The engine weighs its experts' outputs, not their inputs, so it gets each token's top_k
+    scaled copies as rows of their own, each routed to its one expert with weight 1: one call (gradient
+    checkpointing's recompute then finds that call's first pass kept)."""
     x = hidden_states.reshape(-1, block.hidden_dim)
     scores, logits = block.router(x)
     index = torch.topk(logits, block.top_k, dim=1).indices  # the router's own choice
     weight = scores.gather(1, index)
-    ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
-    routed = sum(block.experts(x * weight[:, k:k + 1], index[:, k:k + 1], ones) for k in range(block.top_k))
+    copies = (weight.T.unsqueeze(-1) * x).reshape(-1, x.shape[-1])  # [top_k · T, H], copy k of every token first
+    ones = torch.ones(copies.shape[0], 1, dtype=torch.float32, device=x.device)
+    routed = block.experts(copies, index.T.reshape(-1, 1), ones).view(block.top_k, *x.shape).sum(0)
     return block.shared_expert(x) + routed, logits
 
 

@@ -43,6 +43,10 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
             if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:
                 continue
             if name + ".gate_up_proj" in state_dict:
+                # Stock LongCat-Flash's fused gate_up_proj has rows for its zero-computation experts too, unread.
+                gate_up, E = state_dict[name + ".gate_up_proj"], module.num_experts
+                if module.identity_experts and gate_up.dim() == 3 and gate_up.shape[0] == E + module.identity_experts:
+                    state_dict[name + ".gate_up_proj"] = gate_up[:E]
                 continue
             bases = [stored + "." for stored in arch.stored_names(name)]
             stored = next((b for b in bases if f"{b}0.{arch.checkpoint_projections[0]}.weight" in state_dict), bases[0])

@@ -60,7 +60,11 @@ def engine_inputs(module, x, top_k_index, top_k_weights, lora_params):
     module's engine_lora)."""
     with engine_timer("transfer"):
         lora32 = module.engine_lora(lora_params)
-        return to_engine(x), to_engine(top_k_index, torch.int64), to_engine(top_k_weights, torch.float32), lora32
+        ids = to_engine(top_k_index, torch.int64)
+        if not module.identity_experts and bool((ids == -1).any()):  # the engine's "no expert", which only
+            E = module.num_experts  # KTExperts' zero-computation experts hand it
+            raise ValueError(f"top_k_index holds expert id -1; ids must be in [0, {E}) for this layer's {E} experts.")
+        return to_engine(x), ids, to_engine(top_k_weights, torch.float32), lora32
 
 
 def to_caller(t: torch.Tensor, device, dtype) -> torch.Tensor:

@@ -93,3 +93,24 @@ def test_merged_and_unloaded_experts_keep_their_identity_experts():
         merged = kt.merge_and_unload()
         assert all(m.identity_experts == 2 for m in merged.modules() if isinstance(m, KTExpertsLinear))
         assert rel_l2(merged(IDS).logits, adapter) <= MERGED_BF16
+
+
+def test_the_stock_modules_fused_state_dict_loads_and_prepares(tmp_path):
+    # The stock module's own state dict holds gate_up_proj with rows for the zero-computation experts too (E + Z):
+    # a raw save of it, or a transformers that saves experts fused, writes that.
+    stock = tiny_model("longcat_flash")
+    state = stock.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+    kt = tiny_model("longcat_flash", seed=1)
+    use_cpu_experts(kt)
+    kt.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert rel_l2(kt(IDS).logits, stock(IDS).logits) <= FP32_IO
+    src = tmp_path / "src"
+    save_checkpoint(stock, src)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert run(["prepare", str(src), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, stock(IDS).logits) <= FP32_IO

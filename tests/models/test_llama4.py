@@ -15,6 +15,7 @@ from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.models import use_cpu_experts
 from kt_sft.models.overlap import installed_overlaps
 from kt_sft.peft.layer import KTExpertsLinear
+from test_gradient_checkpointing import engine_forwards
 from test_peft_parity import kt_and_reference, train_alike
 from tiny_models import CONFIGS, save_checkpoint, tiny_model
 from tolerances import FP32_IO, MERGED_BF16, rel_l2
@@ -92,3 +93,33 @@ def test_kt_sft_merge_writes_the_published_layout_that_stock_transformers_loads(
     inputs = {k: v for k, v in batch(3).items() if k != "labels"}
     with torch.no_grad():
         assert rel_l2(merged(**inputs).logits, peft_model(**inputs).logits) <= FP32_IO
+
+
+def checkpointed_grads(top_k: int, gc_kwargs):
+    model = model_at_top_k(top_k)
+    use_cpu_experts(model)
+    torch.manual_seed(3)
+    model = peft.get_peft_model(model.requires_grad_(False), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)).train()
+    if gc_kwargs is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        model.enable_input_require_grads()
+    model(**batch(4)).loss.backward()
+    # The language model's: under reentrant checkpointing the vision tower's LoRA gets no grads, in stock too.
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and "language_model." in n}
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_checkpointing_runs_each_blocks_engine_forward_once_with_the_same_grads(top_k, use_reentrant, monkeypatch):
+    # A block's top_k scaled copies of its tokens go to the engine in one call, whose first pass the recompute finds
+    # kept (one call per copy had missed it at every step, and turned keeping off after three).
+    plain = checkpointed_grads(top_k, None)
+    calls = engine_forwards(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # kt_sft's: a recompute that missed the kept pass
+        ckpt = checkpointed_grads(top_k, {"use_reentrant": use_reentrant})
+    assert len(calls) == 2  # the two MoE layers' forwards, not recomputed
+    assert plain.keys() == ckpt.keys() and any("experts.lora_A" in n for n in plain)
+    for name, g in plain.items():
+        assert rel_l2(ckpt[name], g) <= FP32_IO, name

@@ -177,6 +177,8 @@ def module():
         (lambda x, i, w: (x, i[:-1], w[:-1]), "must both be"),
         (lambda x, i, w: (x, i.float(), w), "integer expert ids"),
         (lambda x, i, w: (x, torch.where(i == i[0, 0], 8, i), w), r"expert id 8 .* \[0, 8\)"),
+        # -1 is the engine's "no expert", which only experts with zero-computation ones hand it (LongCat-Flash)
+        (lambda x, i, w: (x, torch.where(i == i[0, 0], -1, i), w), r"expert id -1; ids must be in \[0, 8\)"),
         (lambda x, i, w: (x, torch.where(i == i[0, 0], -2, i), w), r"expert id -2 .* \(or -1: no expert\)"),
         (lambda x, i, w: (x, i, w.long()), "floating-point"),
         (lambda x, i, w: (x.to("meta"), i, w), "hidden_states is a meta tensor"),
@@ -186,7 +188,7 @@ def module():
          "32-bit integers"),
         (lambda x, i, w: (x.to_sparse(), i, w), "hidden_states is a torch.sparse_coo tensor"),  # torch's error before
     ],
-    ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "negative_index",
+    ids=["int_hidden", "wrong_hidden_size", "t_mismatch", "float_index", "index_ge_e", "no_expert", "negative_index",
          "int_weights", "meta_hidden", "meta_weights", "too_many_slots", "sparse_hidden"],
 )
 def test_bad_inputs_raise_clear_errors(module, mutate, match):
