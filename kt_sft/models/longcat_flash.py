@@ -5,4 +5,5 @@ share is added in PyTorch. Experts published per expert; the multi-token-predict
 transformers skips it."""
 from .registry import MoEArchitecture, register
 
-register(MoEArchitecture("longcat_flash", experts_classes=("LongcatFlashExperts",), identity_experts="zero_expert_num"))
+register(MoEArchitecture("longcat_flash", experts_classes=("LongcatFlashExperts",), identity_experts="zero_expert_num",
+                         dense_beside="mlps.0"))

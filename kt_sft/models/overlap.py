@@ -16,6 +16,10 @@ computation and once around the block's own call: such a block keeps the stock o
 steps run in turn (the engine first: nothing to overlap). What a block call hands
 over is its thread's: two threads through one block (an evaluation or generation beside training) had taken each
 other's shared experts' result, computed under the other's grad mode.
+
+LongCat-Flash's decoder layer calls its first dense MLP on its MoE block's input right after the block: that MLP is
+handed over the same way, held from the block's call until the layer's own call of it (the layer's forward hook
+drops what is left).
 """
 from __future__ import annotations
 
@@ -28,23 +32,24 @@ from .._ext import warn
 
 
 class SharedExpertsOverlap:
-    """Installed on one MoE block: `arm` is the block's forward pre-hook and `disarm` its forward hook (run also
-    when the forward raises); `forward` replaces the shared experts module's forward on the instance (its
-    parameters and names, hence adapters, are untouched)."""
+    """Installed on one MoE block: `arm` is the block's forward pre-hook and `disarm` the forward hook (run also
+    when the forward raises) of the module holding the shared experts at `path` (the block itself, or LongCat-Flash's
+    decoder layer); `forward` replaces the shared experts module's forward on the instance (its parameters and names,
+    hence adapters, are untouched)."""
 
-    def __init__(self, block: nn.Module, attribute: str):
-        self.attribute = attribute
-        self.shared = shared = getattr(block, attribute)
+    def __init__(self, block: nn.Module, path: str, holder: nn.Module | None = None):
+        self.holder, self.path = holder if holder is not None else block, path
+        self.shared = shared = self.holder.get_submodule(path)
         self.experts = block.experts
         self.run = shared.forward  # the module's own forward, bound
         self.local = threading.local()  # .pending: (block input, shared output) of this thread's block call in flight
         shared.forward = self.forward
         self.handles = (block.register_forward_pre_hook(self.arm),
-                        block.register_forward_hook(self.disarm, always_call=True))
+                        self.holder.register_forward_hook(self.disarm, always_call=True))
 
     def arm(self, block, args):
         self.local.pending = None
-        if getattr(block, self.attribute) is not self.shared or block.experts is not self.experts:
+        if self.holder.get_submodule(self.path) is not self.shared or block.experts is not self.experts:
             self.remove()  # replaced since (a wrapper): the stock order
             return
         x = args[0] if args else None
@@ -56,7 +61,7 @@ class SharedExpertsOverlap:
         # pending yet and runs it.
         self.local.pending = (x, self.shared(x))
 
-    def disarm(self, block, args, output):
+    def disarm(self, holder, args, output):
         self.experts.queue_beside(None)
         self.local.pending = None
 
@@ -111,6 +116,26 @@ def overlap_shared_experts(model: nn.Module, attribute: str | None) -> int:
     for block in blocks:
         SharedExpertsOverlap(block, attribute)
     return len(blocks)
+
+
+def overlap_dense_beside(model: nn.Module, path: str | None) -> int:
+    """Installs SharedExpertsOverlap for the module at `path` of every decoder layer that calls it on its MoE block's
+    input right after the block (MoEArchitecture.dense_beside: LongCat-Flash's mlps.0); returns how many."""
+    from ..nn.experts import KTExperts
+
+    if path is None:
+        return 0
+    count = 0
+    for layer in model.modules():
+        blocks = [m for m in layer.children() if isinstance(getattr(m, "experts", None), KTExperts)]
+        try:
+            dense = layer.get_submodule(path)
+        except AttributeError:
+            continue
+        if len(blocks) == 1 and isinstance(dense, nn.Module):
+            SharedExpertsOverlap(blocks[0], path, holder=layer)
+            count += 1
+    return count
 
 
 def installed_overlaps(model: nn.Module) -> list[SharedExpertsOverlap]:

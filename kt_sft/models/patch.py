@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._ext import require_one_process, require_settings
-from .overlap import overlap_shared_experts
+from .overlap import overlap_dense_beside, overlap_shared_experts
 from .recompute_ahead import recompute_ahead_of_the_engine
 from .registry import MoEArchitecture, architecture_of
 
@@ -92,10 +92,11 @@ def use_block_forward(model: nn.Module, arch: MoEArchitecture) -> None:
 
 
 def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
-    """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts
-    (models/overlap.py) and, under gradient checkpointing, the recompute of the layer before a layer whose
+    """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts (or
+    LongCat-Flash's dense MLP beside its block; models/overlap.py) and, under gradient checkpointing, the recompute of the layer before a layer whose
     backward the engine computes (models/recompute_ahead.py)."""
     overlap_shared_experts(model, arch.shared_experts)
+    overlap_dense_beside(model, arch.dense_beside)
     recompute_ahead_of_the_engine(model)
 
 

@@ -27,6 +27,9 @@ class MoEArchitecture:
     # the routed experts: they run on the GPU meanwhile (models/overlap.py). None: no shared experts, or the block
     # applies them first (Qwen2-MoE, whose router then waits for them on the same stream).
     shared_experts: str | None = None
+    # A module of the decoder layer that the layer calls on its MoE block's input right after the block (LongCat-
+    # Flash's first dense MLP, mlps.0): it runs on the GPU meanwhile too.
+    dense_beside: str | None = None
     # Whether the checkpoint stores a layer's experts fused and transposed from the module's layout: gate_up_proj
     # [E, H, 2I] and down_proj [E, I, H] (Qwen3-VL-MoE as published; transformers reads either layout).
     fused_transposed: bool = False

@@ -21,6 +21,7 @@ LORA = dict(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_w
 def lora_model(model_type, overlap=True):
     model = tiny_model(model_type)
     use_cpu_experts(model)
+    shared = [o.shared for o in overlaps(model)]
     if not overlap:
         for o in overlaps(model):
             o.remove()
@@ -29,9 +30,8 @@ def lora_model(model_type, overlap=True):
     model = get_peft_model(model, LoraConfig(**LORA))
     # The shared experts' own weights train too, so that gradients flow through the reordered branch (LoRA on
     # them cannot be named here: peft >= 0.19 maps "*.down_proj" targets of these models to the fused experts).
-    for m in model.modules():
-        if hasattr(m, "shared_experts"):
-            m.shared_experts.requires_grad_(True)
+    for m in shared:
+        m.requires_grad_(True)
     return model
 
 
@@ -43,7 +43,9 @@ def loss_and_grads(model, checkpointing=None, device="cpu"):
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    # Not Llama 4's vision tower (its LoRA on o_proj), which a text batch leaves without grads.
+    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters()
+                         if p.requires_grad and "vision_model." not in n}
 
 
 @pytest.mark.parametrize("model_type,expected", [("deepseek_v3", 1), ("glm4_moe", 1), ("qwen2_moe", 0),
@@ -86,25 +88,30 @@ class Recorded:
 
 
 def recorded(model):
-    """model's MoE block's engine, replaced by a Recorded one whose log also has the block's shared experts
-    (forward, and the start of backward)."""
-    block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+    """model's first MoE block's engine, replaced by a Recorded one whose log also has what runs beside it (its
+    shared experts, or LongCat-Flash's dense MLP: forward, and the start of backward), overlapped or not."""
+    if overlaps(model):
+        experts, shared = overlaps(model)[0].experts, overlaps(model)[0].shared
+    else:
+        block = next(m for m in model.modules() if hasattr(m, "shared_experts"))
+        experts, shared = block.experts, block.shared_experts
     log = []
-    block.experts.engine = Recorded(block.experts.engine, log)
+    experts.engine = Recorded(experts.engine, log)
 
     def shared_ran(module, args, out):
         log.append("shared")
         if out.requires_grad:
             out.register_hook(lambda g: log.append("shared backward"))
 
-    block.shared_experts.down_proj.register_forward_hook(shared_ran)
-    return block.experts.engine
+    shared.down_proj.register_forward_hook(shared_ran)
+    return experts.engine
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])  # LongCat-Flash's: its dense MLP
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
-def test_shared_experts_run_once_while_the_engine_computes(concurrent, monkeypatch):
+def test_shared_experts_run_once_while_the_engine_computes(concurrent, model_type, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
-    model = lora_model("deepseek_v3")
+    model = lora_model(model_type)
     log = recorded(model).log
     loss_and_grads(model)
     # Between the engine's start and the wait for its result, in both passes: the shared experts' forward is
@@ -171,12 +178,18 @@ def test_the_stock_order_runs_the_shared_experts_after_the_engine():
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "reentrant_ckpt", "nonreentrant_ckpt"])
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm4v_moe", "glm_moe_dsa", "hy_v3"])
+# Llama 4's shared expert beside its own block forward; LongCat-Flash's first dense MLP, which its decoder layer
+# calls on the MoE block's input after the block.
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm4v_moe", "glm_moe_dsa", "hy_v3", "llama4",
+                                        "longcat_flash"])
 def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, concurrent, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
-    loss, grads = loss_and_grads(lora_model(model_type), checkpointing)
+    model = lora_model(model_type)
+    installed = len(overlaps(model))
+    loss, grads = loss_and_grads(model, checkpointing)
+    assert installed and len(overlaps(model)) == installed  # none turned itself off
     loss_ref, grads_ref = loss_and_grads(lora_model(model_type, overlap=False), checkpointing)
-    assert any("shared_experts" in n for n in grads) and any("experts.lora_A" in n for n in grads)
+    assert any(k in n for n in grads for k in ("shared_expert", "mlps.0")) and any("experts.lora_A" in n for n in grads)
     assert loss == loss_ref  # the same operations on the same values, in another order
     # Autograd sums the two branches' gradients of the block input in another order: float32 rounding.
     for name, g in grads_ref.items():
@@ -207,14 +220,15 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("checkpointing", [None, False], ids=["plain", "nonreentrant_ckpt"])
-def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing):
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])
+def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing, model_type):
     # The same kernels, the engine on its driver thread meanwhile; float32 CUDA kernels against the CPU engine.
-    model = lora_model("deepseek_v3")
+    model = lora_model(model_type)
     log = recorded(model).log
     loss, grads = loss_and_grads(model, checkpointing, "cuda")
     assert log[:3] == ["engine forward", "shared", "engine forward done"]
     assert log[-3:] == ["engine backward", "shared backward", "engine backward done"]
-    loss_ref, grads_ref = loss_and_grads(lora_model("deepseek_v3", overlap=False), checkpointing, "cuda")
+    loss_ref, grads_ref = loss_and_grads(lora_model(model_type, overlap=False), checkpointing, "cuda")
     assert abs(loss - loss_ref) <= GPU_VS_CPU * abs(loss_ref)
     for name, g in grads_ref.items():
         assert rel_l2(grads[name], g) <= GPU_VS_CPU, name
