@@ -24,7 +24,8 @@ from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import kimi_k25_checkpoint
 from test_export_adapter import trained_adapter
 from test_quantized_models import IDS, LORA_TARGETS, load, published  # noqa: F401 (published: the fixture)
-from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, tiny_model
+from test_llama4 import batch as llama4_batch
+from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -65,11 +66,18 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
         if p.name not in ("consolidated.00.pth", "original", "model.safetensors.index.json"))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe"])
+# Each writes the tiny model's weights as published.
+PUBLISHED = {"qwen3_vl_moe": qwen3_vl_moe_published, "qwen3_5_moe": qwen3_5_moe_published,
+             "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path)}
+EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}"}
+
+
+@pytest.mark.parametrize("model_type", sorted(PUBLISHED))
 def test_image_text_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
-    # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed: each
-    # expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
-    (qwen3_vl_moe_published if model_type == "qwen3_vl_moe" else qwen3_5_moe_published)(tmp_path / "model")
+    # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed, Llama 4
+    # fused and transposed as its module holds them: each expert's update goes into its slice, in the checkpoint's
+    # layout, and stock transformers loads the result.
+    PUBLISHED[model_type](tmp_path / "model")
     model = tiny_model(model_type)  # the published weights
     use_cpu_experts(model)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
@@ -80,10 +88,12 @@ def test_image_text_checkpoint_merged_gives_the_unmerged_logits_with_its_experts
     assert set(before.keys()) == set(after.keys())
     assert all(before.shape(k) == after.shape(k) for k in before.keys())
     changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
-    assert {k for k in changed if "experts" in k} == {f"model.language_model.layers.{n}.mlp.experts.{p}"
-                                                      for n in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    experts = EXPERTS.get(model_type, "model.language_model.layers.{n}.mlp.experts.{p}")
+    assert {k for k in changed if ".experts." in k} == {experts.format(n=n, p=p)
+                                                        for n in (0, 1) for p in ("gate_up_proj", "down_proj")}
     merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    batch = {k: v for k, v in image_batch(0).items() if k != "labels"}
+    batch = llama4_batch(3) if model_type == "llama4" else image_batch(0)
+    batch = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         assert rel_l2(merged(**batch).logits, peft_model(**batch).logits) <= FP32_IO
 
