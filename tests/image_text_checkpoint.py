@@ -1,6 +1,6 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V or Llama 4 as published (no hub access): config, weights (Qwen's experts fused,
-Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its image
-and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V or Llama 4 as published (no hub access): config, weights (Qwen's experts
+fused, Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its
+image and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
 multimodal sharegpt format."""
 from __future__ import annotations
 

@@ -93,8 +93,8 @@ def use_block_forward(model: nn.Module, arch: MoEArchitecture) -> None:
 
 def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
     """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts (or
-    LongCat-Flash's dense MLP beside its block; models/overlap.py) and, under gradient checkpointing, the recompute of the layer before a layer whose
-    backward the engine computes (models/recompute_ahead.py)."""
+    LongCat-Flash's dense MLP beside its block; models/overlap.py) and, under gradient checkpointing, the recompute of
+    the layer before a layer whose backward the engine computes (models/recompute_ahead.py)."""
     overlap_shared_experts(model, arch.shared_experts)
     overlap_dense_beside(model, arch.dense_beside)
     recompute_ahead_of_the_engine(model)

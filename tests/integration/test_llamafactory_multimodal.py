@@ -1,8 +1,8 @@
 """Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V and Llama 4 through the stock `llamafactory-cli`, images included: a tiny
-checkpoint as published (Qwen's experts fused, Qwen3-VL-MoE's and Llama 4's transposed; GLM's per expert; processor
-and chat template beside it) is prepared and LoRA-trained on questions about images (the vision tower beside the model's other modules, the
-routed experts on the CPU engine); LLaMA-Factory's chat model with the adapter answers each image's colour as
-trained, and its export merges the adapter into a checkpoint that stock transformers loads with the adapter's
+checkpoint as published (Qwen's experts fused, Qwen3-VL-MoE's and Llama 4's transposed; GLM's per expert; processor and
+chat template beside it) is prepared and LoRA-trained on questions about images (the vision tower beside the model's
+other modules, the routed experts on the CPU engine); LLaMA-Factory's chat model with the adapter answers each image's
+colour as trained, and its export merges the adapter into a checkpoint that stock transformers loads with the adapter's
 logits."""
 import json
 import subprocess
