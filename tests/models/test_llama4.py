@@ -27,17 +27,23 @@ def batch(seed: int) -> dict:
     return dict(input_ids=ids, pixel_values=torch.randn(2, 3, 16, 16, generator=g), labels=ids)
 
 
-def model_at_top_k(top_k: int):
+def model_at_top_k(top_k: int, every: int = 1):
+    """The tiny Llama 4 routing each token to top_k experts, with MoE layers every `every` layers (Maverick's 2: four
+    layers, dense MLPs between its MoE blocks)."""
     torch.manual_seed(0)
+    if top_k == 1 and every == 1:
+        return tiny_model("llama4")
     config = CONFIGS["llama4"]()
-    config.text_config.num_experts_per_tok = top_k
-    return tiny_model("llama4") if top_k == 1 else \
-        transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    text = {**config.text_config.to_dict(), "num_experts_per_tok": top_k, "interleave_moe_layer_step": every,
+            "num_hidden_layers": 2 * every, "moe_layers": None, "layer_types": None, "no_rope_layers": None}
+    config = transformers.Llama4Config(text_config=text, vision_config=config.vision_config.to_dict(),
+                                       image_token_index=96, boi_token_index=97, eoi_token_index=98)
+    return transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_logits_with_images_match_stock(top_k):
-    stock = model_at_top_k(top_k)
+@pytest.mark.parametrize("top_k, every", [(1, 1), (2, 1), (1, 2)], ids=["top_1", "top_2", "moe_every_2"])
+def test_logits_with_images_match_stock(top_k, every):
+    stock = model_at_top_k(top_k, every)
     with torch.no_grad():  # the engine's BF16 weights
         for block in (m for m in stock.modules() if type(m).__name__ == "Llama4TextExperts"):
             for p in (block.gate_up_proj, block.down_proj):
