@@ -21,7 +21,7 @@ from .._ext import profile_every, require_one_process, require_settings
 from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.registry import text_config_of
-from ..models.patch import accept_per_expert_weights, overlap_with_the_engine, use_block_forward
+from ..models.patch import accept_per_expert_weights, install_around_the_engine
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
@@ -343,7 +343,8 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
             if transposed or rows != E:
                 for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
                     for dst, key in ((gate_up[e], fused[0]), (down[e], fused[1])):
-                        dst.copy_(ckpt.read_slice(key, e).T if transposed else ckpt.read_slice(key, e))
+                        values = ckpt.read_slice(key, e)
+                        dst.copy_(values.T if transposed else values)
             else:
                 ckpt.read_into(fused[0], gate_up)
                 ckpt.read_into(fused[1], down)
@@ -517,8 +518,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         setattr(model.get_submodule(parent), child, engine)
         placed.append(engine)
 
-    use_block_forward(model, arch)
-    overlap_with_the_engine(model, arch)
+    install_around_the_engine(model, arch)
     WarnMissedExpertTargets(model, placed)
     if target == "bf16":
         accept_per_expert_weights(model, arch)

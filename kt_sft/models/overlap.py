@@ -127,12 +127,12 @@ def overlap_dense_beside(model: nn.Module, path: str | None) -> int:
         return 0
     count = 0
     for layer in model.modules():
-        blocks = [m for m in layer.children() if isinstance(getattr(m, "experts", None), KTExperts)]
         try:
-            dense = layer.get_submodule(path)
+            layer.get_submodule(path)
         except AttributeError:
             continue
-        if len(blocks) == 1 and isinstance(dense, nn.Module):
+        blocks = [m for m in layer.children() if isinstance(getattr(m, "experts", None), KTExperts)]
+        if len(blocks) == 1:
             SharedExpertsOverlap(blocks[0], path, holder=layer)
             count += 1
     return count

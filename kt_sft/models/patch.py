@@ -80,21 +80,18 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
     model.register_load_state_dict_post_hook(not_missing)
 
 
-def use_block_forward(model: nn.Module, arch: MoEArchitecture) -> None:
-    """Puts arch.block_forward (Llama 4's) on every MoE block whose experts the engine computes."""
+def install_around_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
+    """Installs what runs around the model's CPU experts once they are in place: arch.block_forward (Llama 4's) on
+    every MoE block whose experts the engine computes, and the GPU work that runs while the engine computes: each
+    MoE block's shared experts (or LongCat-Flash's dense MLP beside its block; models/overlap.py) and, under gradient
+    checkpointing, the recompute of the layer before a layer whose backward the engine computes
+    (models/recompute_ahead.py)."""
     from ..nn.experts import KTExperts
 
-    if arch.block_forward is None:
-        return
-    for block in model.modules():
-        if isinstance(getattr(block, "experts", None), KTExperts):
-            block.forward = types.MethodType(arch.block_forward, block)
-
-
-def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
-    """Installs the GPU work that runs while the CPU engine computes: each MoE block's shared experts (or
-    LongCat-Flash's dense MLP beside its block; models/overlap.py) and, under gradient checkpointing, the recompute of
-    the layer before a layer whose backward the engine computes (models/recompute_ahead.py)."""
+    if arch.block_forward is not None:
+        for block in model.modules():
+            if isinstance(getattr(block, "experts", None), KTExperts):
+                block.forward = types.MethodType(arch.block_forward, block)
     overlap_shared_experts(model, arch.shared_experts)
     overlap_dense_beside(model, arch.dense_beside)
     recompute_ahead_of_the_engine(model)
@@ -102,7 +99,7 @@ def overlap_with_the_engine(model: nn.Module, arch: MoEArchitecture) -> None:
 
 def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     """Replaces the model's experts modules in place with KTExpertsLinear (BF16, CPU) and installs the GPU work
-    that overlaps the engine (overlap_with_the_engine); returns how many experts modules."""
+    that overlaps the engine (install_around_the_engine); returns how many experts modules."""
     from ..peft.layer import KTExpertsLinear
     from ..peft.targets import WarnMissedExpertTargets
 
@@ -125,8 +122,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
         replaced.append(experts)
     if not replaced:
         raise arch.no_experts_error(model)
-    use_block_forward(model, arch)
-    overlap_with_the_engine(model, arch)
+    install_around_the_engine(model, arch)
     accept_per_expert_weights(model, arch)
     WarnMissedExpertTargets(model, replaced)
     return len(replaced)
