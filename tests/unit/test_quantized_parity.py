@@ -165,3 +165,19 @@ def test_decode_in_wide_items_on_one_thread(kernels, fmt, dtype):
         tol = for_quantized_kernels(kernels, BF16_IO if dtype == torch.bfloat16 else QUANTIZED_IO,
                                     dtype == torch.bfloat16)
     check(got, run_reference(m, x, idx, w, g), tol, WIDE_DECODE)
+
+
+# FP8 and INT4 experts beside zero-computation ones (LongCat-Flash's, quantized at load): pairs routed to no expert
+# (id -1) and to the identity experts (ids E and E + 1), training and decode.
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s.name in ("partial_blocks", "t1_decode")],
+                         ids=lambda s: s.name)
+def test_quantized_experts_beside_identity_experts(kernels, fmt, shape):
+    m = make_module(shape, lora=True, expert_format=fmt, identity_experts=2)
+    x, idx, w, g = inputs(shape)
+    idx = idx.clone()
+    idx.view(-1)[::3] = -1
+    idx.view(-1)[1::5] = shape.E + torch.arange(len(idx.view(-1)[1::5])) % 2
+    got = run_engine(m, x, idx, w, g)
+    assert (got["dw"][idx == -1] == 0).all()
+    check(got, run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
