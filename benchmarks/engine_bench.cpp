@@ -81,7 +81,7 @@ struct Weights {
         w[p] = view(values[p].data(), DType::bf16, {s.E, rows[p], cols[p]});
       }
     }
-    views = {w[0], w[1], sc[0], sc[1]};
+    views = {w[0], w[1], sc[0], sc[1], {}};  // no gate/up bias
   }
 };
 

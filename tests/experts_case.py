@@ -7,7 +7,7 @@ import torch
 
 import kt_sft
 from kt_sft.formats import QuantizedExperts
-from kt_sft.ops.reference import LoraWeights, moe_experts_reference
+from kt_sft.ops.reference import GPT_OSS_GLU, LoraWeights, moe_experts_reference
 
 
 @dataclass(frozen=True)
@@ -33,17 +33,21 @@ def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0,
-                expert_format: str = "bf16", identity_experts: int = 0) -> kt_sft.KTExperts:
-    """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values."""
+                expert_format: str = "bf16", identity_experts: int = 0, gpt_oss: bool = False) -> kt_sft.KTExperts:
+    """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values. gpt_oss: with biases
+    and GPT-OSS's clamped unit; the gate/up bias spread wide enough (σ 4) that many g and u pass the clamps (±7)."""
     gen = torch.Generator().manual_seed(seed)
     E, H, I = shape.E, shape.H, shape.I
     gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
+    kwargs = dict(train_base=train_base, identity_experts=identity_experts)
+    if gpt_oss:
+        kwargs.update(gate_up_proj_bias=(4 * torch.randn(E, 2 * I, generator=gen)).bfloat16(),
+                      down_proj_bias=torch.randn(E, H, generator=gen).bfloat16(), unit=GPT_OSS_GLU)
     if expert_format == "bf16":
-        m = kt_sft.KTExperts(gu, dn, train_base=train_base, identity_experts=identity_experts)
+        m = kt_sft.KTExperts(gu, dn, **kwargs)
     else:
-        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), train_base=train_base,
-                             identity_experts=identity_experts)
+        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), **kwargs)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # A drawn here too (add_lora's init uses the global RNG, which differs between runs
@@ -85,6 +89,10 @@ def run_engine(m: kt_sft.KTExperts, x, idx, w, gout):
     if m.gate_up_proj.requires_grad:
         out["d_gate_up"] = m.gate_up_proj.grad
         out["d_down"] = m.down_proj.grad
+    for name in ("gate_up_proj_bias", "down_proj_bias"):
+        bias = getattr(m, name)
+        if bias is not None and bias.requires_grad:
+            out["d_" + name] = bias.grad
     return {k: None if v is None else v.clone() for k, v in out.items()}
 
 
@@ -98,8 +106,10 @@ def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
     A = {p: t.detach().double().requires_grad_() for p, t in A0.items()}
     B = {p: t.detach().double().requires_grad_() for p, t in B0.items()}
     lora = LoraWeights(A, B, m.scaling[m.active_lora()]) if A else None
-    y = moe_experts_reference(xd, idx, wd, gu, dn, lora, m.identity_experts)
-    leaves = [xd, wd, gu, dn, *A.values(), *B.values()]
+    biases = {name: None if getattr(m, name) is None else getattr(m, name).detach().double().requires_grad_()
+              for name in ("gate_up_proj_bias", "down_proj_bias")}
+    y = moe_experts_reference(xd, idx, wd, gu, dn, lora, m.identity_experts, *biases.values(), m.unit)
+    leaves = [xd, wd, gu, dn, *A.values(), *B.values(), *(b for b in biases.values() if b is not None)]
     if y.requires_grad:
         y.backward(gout.double())
     for t in leaves:  # with no tokens nothing depends on the leaves: their grads are zero
@@ -112,4 +122,7 @@ def run_reference(m: kt_sft.KTExperts, x, idx, w, gout):
     if m.gate_up_proj.requires_grad:
         out["d_gate_up"] = gu.grad
         out["d_down"] = dn.grad
+    for name, bias in biases.items():
+        if bias is not None and getattr(m, name).requires_grad:
+            out["d_" + name] = bias.grad
     return out

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
+
 #include "../kernels/dispatch.h"
 #include "../moe/backward_copy.h"
 #include "../moe/experts.h"
@@ -116,18 +118,23 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Pending>(m, "Pending").def("wait", &Pending::wait).def("done", [](Pending& p) { return p.ticket->done(); });
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
-      .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale) {
-             ExpertWeights w{to_view(gu), to_view(down), to_view(gu_scale), to_view(down_scale)};
+      .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale,
+                       py::object gu_bias, float alpha, float limit, float up_offset) {
+             ExpertWeights w{to_view(gu), to_view(down), to_view(gu_scale), to_view(down_scale), to_view(gu_bias)};
              // Construction checks quantized weights on the pool, so it runs after calls in flight.
              std::shared_ptr<MoeExperts> engine;
-             start([&] { engine = std::make_shared<MoeExperts>(E, H, I, w); }, true)->wait();
+             start([&] { engine = std::make_shared<MoeExperts>(E, H, I, w, Glu{alpha, limit, up_offset}); }, true)
+                 ->wait();
              return engine;
            }),
            py::arg("E"), py::arg("H"), py::arg("I"), py::arg("gate_up"), py::arg("down"),
            py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none(),
+           py::arg("gate_up_bias") = py::none(), py::arg("glu_alpha") = 1.f,
+           py::arg("glu_limit") = std::numeric_limits<float>::infinity(), py::arg("glu_up_offset") = 0.f,
            // The engine reads its weights by pointer: it holds their views (each carries its tensor), and every
            // call holds the engine, so a call still queued while the interpreter exits reads no freed weights.
-           py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
+           py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>(), py::keep_alive<1, 8>(),
+           py::keep_alive<1, 9>())
       .def_property_readonly("format", [](const MoeExperts& m) { return std::string(format_name(m.format())); })
       .def("forward",
            [](std::shared_ptr<MoeExperts> self, py::object x, py::object idx, py::object w, py::object out, int r,
@@ -145,7 +152,7 @@ PYBIND11_MODULE(_C, m) {
            [](std::shared_ptr<MoeExperts> self, std::shared_ptr<Saved> saved, py::object x, py::object dout, int r,
               float scale, py::list lora, py::object dx, py::object dw, py::list lora_grads, py::object d_gate_up,
               py::object d_down, float dropout, uint32_t seed, bool now, py::list lora_accumulate,
-              py::object backward_copy) {
+              py::object backward_copy, py::object d_gate_up_bias) {
              if (!saved) throw std::invalid_argument("backward needs the object a training forward returned.");
              View vx = to_view(x), vd = to_view(dout);
              Lora l = to_lora(r, scale, lora, dropout, seed);
@@ -163,16 +170,18 @@ PYBIND11_MODULE(_C, m) {
              }
              g.d_gate_up = to_view(d_gate_up);
              g.d_down = to_view(d_down);
+             g.d_gate_up_bias = to_view(d_gate_up_bias);
              const BackwardCopy copy = to_copy(backward_copy);
              auto ticket = start([=] { self->backward(*saved, vx, vd, l, g, copy); }, now);
              return Pending{ticket, nullptr,
                             py::make_tuple(self, x, dout, lora, dx, dw, lora_grads, d_gate_up, d_down,
-                                           py::cast(saved), backward_copy)};
+                                           py::cast(saved), backward_copy, d_gate_up_bias)};
            },
            py::arg("saved"), py::arg("x"), py::arg("dout"), py::arg("r"), py::arg("scale"), py::arg("lora"),
            py::arg("dx"), py::arg("dw"), py::arg("lora_grads"), py::arg("d_gate_up"), py::arg("d_down"),
            py::arg("dropout") = 0.f, py::arg("seed") = 0u, py::arg("now") = false,
-           py::arg("lora_accumulate") = py::list(), py::arg("backward_copy") = py::none())
+           py::arg("lora_accumulate") = py::list(), py::arg("backward_copy") = py::none(),
+           py::arg("d_gate_up_bias") = py::none())
       .def("pack_backward_copy",
            [](std::shared_ptr<MoeExperts> self, py::object copy) {
              const BackwardCopy c = to_copy(copy);

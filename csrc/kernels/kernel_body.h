@@ -576,33 +576,70 @@ void gemm_nn(const GemmNN<TB>& g) {
     gemm_nn_impl<false>(g);
 }
 
-inline V sigmoid(V x) { return Simd::div(Simd::set1(1.f), Simd::add(Simd::set1(1.f), Simd::exp(Simd::mul(x, Simd::set1(-1.f))))); }
-inline float sigmoid1(float x) { return 1.f / (1.f + std::exp(-x)); }
-
-void silu_mul(long n, const float* g, const float* u, float* h) {
-  long i = 0;
-  for (; i + W <= n; i += W) {
-    V gv = Simd::load(g + i);
-    Simd::store(h + i, Simd::mul(Simd::mul(gv, sigmoid(gv)), Simd::load(u + i)));
-  }
-  for (; i < n; ++i) h[i] = g[i] * sigmoid1(g[i]) * u[i];
+// The gated unit h = a(g)·(u' + up_offset) with g' = min(g, limit), u' = clamp(u, −limit, limit) and
+// a(g') = g'·sigmoid(alpha·g'): SwiGLU (silu) at the defaults, GPT-OSS's clamped form with its alpha, limit and +1.
+// Written for lanes and for the tail alike; the clamps keep a NaN input (minps passes its second operand on).
+template <class S>
+inline typename S::V glu_lane(typename S::V g, typename S::V u, const kt::Glu& f, typename S::V& gl, typename S::V& s) {
+  using VV = typename S::V;
+  gl = S::min(S::set1(f.limit), g);
+  const VV ul = S::max(S::set1(-f.limit), S::min(S::set1(f.limit), u));
+  const VV ag = S::mul(S::set1(-f.alpha), gl);
+  s = S::div(S::set1(1.f), S::add(S::set1(1.f), S::exp(ag)));
+  return S::add(ul, S::set1(f.up_offset));
 }
 
-// silu'(g) = s·(1 + g·(1 − s)) with s = sigmoid(g).
-void silu_mul_backward(long n, const float* g, const float* u, const float* dh, float* dg, float* du) {
+struct Scalar1 {  // the tail's one-lane ops, the same arithmetic as Simd's lanes
+  using V = float;
+  static V set1(float x) { return x; }
+  static V min(V a, V b) { return a < b ? a : b; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static V mul(V a, V b) { return a * b; }
+  static V add(V a, V b) { return a + b; }
+  static V div(V a, V b) { return a / b; }
+  static V exp(V x) { return std::exp(x); }
+  static V fma(V a, V b, V c) { return std::fma(a, b, c); }
+  static V zero_where_gt(V a, V b, V v) { return a > b ? 0.f : v; }
+};
+
+void glu(long n, const float* g, const float* u, float* h, const kt::Glu& f) {
   long i = 0;
-  const V one = Simd::set1(1.f);
   for (; i + W <= n; i += W) {
-    V gv = Simd::load(g + i), s = sigmoid(gv), dhv = Simd::load(dh + i);
-    V dsilu = Simd::mul(s, Simd::fma(gv, Simd::add(one, Simd::mul(s, Simd::set1(-1.f))), one));
-    Simd::store(dg + i, Simd::mul(Simd::mul(dhv, Simd::load(u + i)), dsilu));
-    Simd::store(du + i, Simd::mul(dhv, Simd::mul(gv, s)));
+    V gl, s;
+    const V up = glu_lane<Simd>(Simd::load(g + i), Simd::load(u + i), f, gl, s);
+    Simd::store(h + i, Simd::mul(Simd::mul(gl, s), up));
   }
   for (; i < n; ++i) {
-    float s = sigmoid1(g[i]);
-    dg[i] = dh[i] * u[i] * (s * (1.f + g[i] * (1.f - s)));
-    du[i] = dh[i] * (g[i] * s);
+    float gl, s;
+    const float up = glu_lane<Scalar1>(g[i], u[i], f, gl, s);
+    h[i] = gl * s * up;
   }
+}
+
+// With s = sigmoid(alpha·g'): a'(g') = s·(1 + alpha·g'·(1 − s)); dg = dh·(u' + up_offset)·a'(g') where g ≤ limit,
+// du = dh·a(g') where |u| ≤ limit (clamp passes the gradient at the limit itself, as torch's does).
+template <class S>
+inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V dhv, const kt::Glu& f,
+                              typename S::V& dg, typename S::V& du) {
+  using VV = typename S::V;
+  VV gl, s;
+  const VV up = glu_lane<S>(gv, uv, f, gl, s);
+  const VV one = S::set1(1.f);
+  const VV da = S::mul(s, S::fma(S::mul(S::set1(f.alpha), gl), S::add(one, S::mul(s, S::set1(-1.f))), one));
+  dg = S::zero_where_gt(gv, S::set1(f.limit), S::mul(S::mul(dhv, up), da));
+  const VV d = S::mul(dhv, S::mul(gl, s));
+  du = S::zero_where_gt(uv, S::set1(f.limit), S::zero_where_gt(S::set1(-f.limit), uv, d));
+}
+
+void glu_backward(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const kt::Glu& f) {
+  long i = 0;
+  for (; i + W <= n; i += W) {
+    V dgv, duv;
+    glu_backward_lane<Simd>(Simd::load(g + i), Simd::load(u + i), Simd::load(dh + i), f, dgv, duv);
+    Simd::store(dg + i, dgv);
+    Simd::store(du + i, duv);
+  }
+  for (; i < n; ++i) glu_backward_lane<Scalar1>(g[i], u[i], dh[i], f, dg[i], du[i]);
 }
 
 void bf16_to_f32(long n, const bf16* src, float* dst) { to_f32_row(src, n, dst); }
@@ -657,8 +694,8 @@ void lora_dropout(uint32_t row_key, long c0, long n, float p, const float* src, 
                        gemm_nt<int4_group>,
                        gemm_nt<int4_group>,
                        gemm_nn<int4_group>,
-                       silu_mul,
-                       silu_mul_backward,
+                       glu,
+                       glu_backward,
                        bf16_to_f32,
                        f32_to_bf16,
                        scale,

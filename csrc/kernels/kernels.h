@@ -15,6 +15,15 @@
 
 namespace kt {
 
+// The experts' gated unit: h = a(g')·(u' + up_offset), g' = min(g, limit), u' = clamp(u, −limit, limit),
+// a(g') = g'·sigmoid(alpha·g'). The defaults give SwiGLU, silu(g)·u (every architecture but one); GPT-OSS's
+// experts use alpha 1.702, limit 7 and up_offset 1.
+struct Glu {
+  float alpha = 1.f;
+  float limit = __builtin_inff();
+  float up_offset = 0.f;
+};
+
 // The experts' weight format (moe/experts.h says how it follows from the weights' dtype).
 enum class Format { bf16, fp8_block128, int4_group32 };
 
@@ -202,10 +211,10 @@ struct KernelSet {
   // As gemm_nt_bf16_act, for INT4 weights.
   void (*gemm_nt_int4_act)(const GemmNT<int4_group>&);
   void (*gemm_nn_int4)(const GemmNN<int4_group>&);
-  // h = silu(g) * u
-  void (*silu_mul)(long n, const float* g, const float* u, float* h);
-  // Given dh: dg = dh * u * silu'(g), du = dh * silu(g). Overwrites dg, du.
-  void (*silu_mul_backward)(long n, const float* g, const float* u, const float* dh, float* dg, float* du);
+  // h = glu(g, u) (Glu above)
+  void (*glu)(long n, const float* g, const float* u, float* h, const Glu& f);
+  // Given dh: dg = dh · ∂h/∂g, du = dh · ∂h/∂u. Overwrites dg, du.
+  void (*glu_backward)(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const Glu& f);
   void (*bf16_to_f32)(long n, const bf16* src, float* dst);
   void (*f32_to_bf16)(long n, const float* src, bf16* dst);
   // x *= alpha

@@ -22,5 +22,9 @@ struct Simd {
   static float hsum(V v) { return v; }
   static V exp(V x) { return std::exp(x); }
   static V div(V a, V b) { return a / b; }
+  // As minps / maxps (simd_avx512.h): b where either is NaN.
+  static V min(V a, V b) { return a < b ? a : b; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static V zero_where_gt(V a, V b, V v) { return a > b ? 0.f : v; }
 };
 }  // namespace

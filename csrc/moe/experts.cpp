@@ -435,7 +435,8 @@ const char* format_name(Format f) {
   return "?";
 }
 
-MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w) : E_(E), H_(H), I_(I), w_(w) {
+MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& glu)
+    : E_(E), H_(H), I_(I), w_(w), glu_(glu) {
   if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("experts need E, H and I of at least 1.");
   if (w.gate_up.empty() || w.down.empty()) throw std::invalid_argument("experts need gate_up_proj and down_proj.");
   const long bs = fp8_block::BLOCK, gs = int4_group::GROUP;
@@ -464,7 +465,24 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w) : E_(E), H_(
     expect(w.gate_up_scale, "gate_up scale (weight_scale)", DType::bf16, {E, 2L * I, ceil_div(H, gs)});
     expect(w.down_scale, "down scale (weight_scale)", DType::bf16, {E, H, ceil_div(I, gs)});
   }
+  if (!w.gate_up_bias.empty()) expect_float(w.gate_up_bias, "gate_up_proj_bias", {E, 2L * I});
+  if (!(glu.alpha > 0.f) || !(glu.limit > 0.f) || !std::isfinite(glu.up_offset))
+    throw std::invalid_argument("the gated unit needs alpha > 0, limit > 0 (infinity: no clamp) and a finite offset.");
   check_finite_weights();
+}
+
+void MoeExperts::add_bias(int e, int p, long c0, long n, int rows, float* c) const {
+  if (w_.gate_up_bias.empty()) return;
+  const long at = (long(e) * 2 + p) * I_ + c0;
+  float b[BLOCK];
+  for (long j0 = 0; j0 < n; j0 += BLOCK) {  // n is a column block's width, at most BLOCK, unless a caller widens it
+    const long m = std::min<long>(BLOCK, n - j0);
+    for (long j = 0; j < m; ++j)
+      b[j] = w_.gate_up_bias.dtype == DType::f32 ? w_.gate_up_bias.as<float>()[at + j0 + j]
+                                                 : bf16_to_f32(w_.gate_up_bias.as<bf16>()[at + j0 + j]);
+    for (int i = 0; i < rows; ++i)
+      for (long j = 0; j < m; ++j) c[i * long(I_) + j0 + j] += b[j];
+  }
 }
 
 // A NaN or infinite weight or scale, or an FP8 NaN code, would turn whole blocks of outputs and gradients into NaN
@@ -725,10 +743,11 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
       const Upcoming next = p == GATE ? gate_up_rows(it, UP) : after;
       project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
+      add_bias(e, p, i0, ib, n, c);
     }
     for (int m = 0; m < n; ++m) {
       long o = (sv->offset[e] + m) * I + i0;
-      ks.silu_mul(ib, G + o, U + o, Hh + o);
+      ks.glu(ib, G + o, U + o, Hh + o, glu_);
     }
     if (tp.on(e)) tp.tk->pack_nt(n, int(I), i0, ib, slot_rows(Hh, *sv, e, I), tp.at(HT, e, I));
   };
@@ -861,6 +880,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
                                 " expert weights is not supported; load the experts in BF16 to train them.");
   if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
+  if (!gr.d_gate_up_bias.empty()) {
+    if (w_.gate_up_bias.empty()) throw std::invalid_argument("a gate_up bias grad was asked of experts without one.");
+    expect(gr.d_gate_up_bias, "grad of gate_up_proj_bias", DType::f32, {E_, 2 * I});
+  }
   if (!copy.empty()) check_backward_copy(*this, copy);
   // An axpy-form tile product's weight segments packed ahead: projection p's (and `second`'s) from column col0,
   // which is a multiple of 32 (items start at multiples of nn_width, 256 or more, on tiles).
@@ -994,13 +1017,13 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     });
     if (lora_on[DOWN]) lora_in_grad_of(DOWN, e, I, i0, ib, c, I, ith);
     // The slots' work on this block while it is in cache (a pass of its own re-read ~300 MB at Layer Q):
-    // h = silu(g)·u; this block's share of d w = <p, h>; dh = w·p; dg, du through silu(g)·u.
+    // h = glu(g, u); this block's share of d w = <p, h>; dh = w·p; dg, du through glu(g, u).
     for (int m = 0; m < n; ++m) {
       const long slot = sv.offset[e] + m, o = slot * I + i0;
-      ks.silu_mul(ib, G + o, U + o, Hh + o);
+      ks.glu(ib, G + o, U + o, Hh + o, glu_);
       dw_parts[slot * max_blocks + items[it].block] = ks.dot(ib, P + o, Hh + o);
       ks.scale(ib, sv.slot_w[slot], P + o);
-      ks.silu_mul_backward(ib, G + o, U + o, P + o, dG + o, dU + o);
+      ks.glu_backward(ib, G + o, U + o, P + o, dG + o, dU + o, glu_);
     }
     if (tp.on(e)) {  // dg, du of these columns in the tile layout for dx, from cache too
       tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at_nn(GT, e, I));
@@ -1021,6 +1044,18 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
       gr.dw.as<float>()[sv.slot_src[slot]] = sum;
     }
   });
+
+  // The gate/up bias grads: each expert's dg and du rows summed, in slot order.
+  if (!gr.d_gate_up_bias.empty()) {
+    phase("backward.bias_grad");
+    for_routed_experts(rt, sv, E_, [&](long e, int) {
+      float* db = gr.d_gate_up_bias.as<float>() + e * 2 * I;
+      for (long slot = sv.offset[e]; slot < sv.offset[e + 1]; ++slot) {
+        ks.axpy(I, 1.f, dG + slot * I, db);
+        ks.axpy(I, 1.f, dU + slot * I, db + I);
+      }
+    });
+  }
 
   // LoRA's rank-space rows of dg and du: wz[GATE] = dg·Bg, wz[UP] = du·Bu (reductions over all of I); on tiles,
   // the A operands of the LoRA grads too.

@@ -10,7 +10,9 @@
 // Quantized weights stay quantized; the kernels decode tiles as they go.
 //
 // Per expert e, with s the LoRA scale:
-//   g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
+//   g = x Wgᵀ + s (x Agᵀ) Bgᵀ + bg,  u = x Wuᵀ + s (x Auᵀ) Buᵀ + bu,  h = glu(g, u),  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
+// with glu the gated unit of kernels.h (silu(g)·u unless the experts are built with another Glu) and bg, bu the
+// optional gate/up bias (GPT-OSS); a down bias is the caller's to add (it only shifts y).
 //   out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
 // LoRA: A_p [E, r, in_p], B_p [E, out_p, r], float32; any projection may have none.
 #pragma once
@@ -35,8 +37,9 @@ const char* format_name(Format f);
 //                  and [E, ceil(H/128), ceil(I/128)]
 //   int32 (INT4)   gate_up [E, 2I, ceil(H/8)], down [E, H, ceil(I/8)] packed words; scales bfloat16
 //                  [E, 2I, ceil(H/32)] and [E, H, ceil(I/32)]
+// gate_up_bias: none, or float32|bfloat16 [E, 2I] (gate's first), whatever the weights' format.
 struct ExpertWeights {
-  View gate_up, down, gate_up_scale, down_scale;
+  View gate_up, down, gate_up_scale, down_scale, gate_up_bias;
 };
 
 struct Lora {
@@ -56,6 +59,7 @@ struct Grads {
   View dA[3], dB[3];
   bool acc_A[3] = {}, acc_B[3] = {};
   View d_gate_up, d_down;
+  View d_gate_up_bias;  // float32 [E, 2I], accumulated as the base grads (any format: the bias is not quantized)
 };
 
 // The weights packed once more for the backward's products (backward_copy.h), or none (both absent).
@@ -84,12 +88,13 @@ struct Saved {
 class MoeExperts {
  public:
   // Checks shapes and dtypes; quantized weights must have finite scales and (FP8) no NaN codes.
-  MoeExperts(int E, int H, int I, const ExpertWeights& weights);
+  MoeExperts(int E, int H, int I, const ExpertWeights& weights, const Glu& glu = {});
   int E() const { return E_; }
   Format format() const { return format_; }
   int H() const { return H_; }
   int I() const { return I_; }
   const ExpertWeights& weights() const { return w_; }
+  const Glu& glu() const { return glu_; }
 
   // x [T, H] float32|bfloat16, idx [T, K] int64, w [T, K] float32, out [T, H] same dtype as x.
   // With save, returns what backward needs; without (inference), returns null and keeps nothing.
@@ -114,8 +119,11 @@ class MoeExperts {
   // codes) that a tile product requests ahead for the product its thread runs next; none for BF16 weights.
   Upcoming upcoming(int e, int p, long row0, long rows, long col0, long cols) const;
   int E_, H_, I_;
+  // Adds expert e's gate (p = GATE) or up bias, columns [c0, c0 + n), to each of `rows` rows of c (ld I).
+  void add_bias(int e, int p, long c0, long n, int rows, float* c) const;
   Format format_;
   ExpertWeights w_;
+  Glu glu_;
 };
 
 }  // namespace kt

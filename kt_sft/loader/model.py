@@ -22,6 +22,7 @@ from ..formats import QuantizedExperts
 from ..models import architecture_of
 from ..models.registry import text_config_of
 from ..models.patch import accept_per_expert_weights, install_around_the_engine
+from ..nn.stock_layout import StockLayout
 from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
@@ -152,6 +153,10 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                  f"{config.model_type} layout gives; check that config.json belongs to these "
                                  "weights.")
         fused = fused_keys(ckpt, arch, layer, name)
+        if arch.expert_biases and not fused:
+            raise ValueError(f"the checkpoint has no {arch.experts_prefix(layer)}gate_up_proj: kt_sft reads "
+                             f"{arch.model_type}'s experts fused with their biases, as they are published; save the "
+                             "model with a transformers version that writes them so.")
         expected = _check_fused(ckpt, arch, fused, fmt, layer, E, I, H, Z) if fused else \
             _check_per_expert(ckpt, config, arch, fmt, layer, E, I, H)
         # Stock LongCat-Flash saves gate and up rows of its zero-computation experts, which no expert reads.
@@ -264,7 +269,23 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                          f"implies {said} (fused experts: [experts, 2 x intermediate, hidden] and [experts, hidden, "
                          f"intermediate]{', or transposed' if len(shapes) > 1 else ''}); check that config.json "
                          "belongs to these weights.")
-    return set(keys)
+    if not arch.expert_biases:
+        return set(keys)
+    for key, shape in zip(bias_keys(keys), ((E, 2 * I), (E, H))):
+        if key not in ckpt.shard_of:
+            raise ValueError(f"the checkpoint has no {key}, which {arch.model_type}'s experts have; the checkpoint is "
+                             "incomplete: save or download it again.")
+        if ckpt.dtype(key) not in _STORED_DTYPES["bf16"][0]:
+            raise _stored_dtype_error(key, ckpt.dtype(key), fmt, _STORED_DTYPES["bf16"][0])
+        if ckpt.shape(key) != shape:
+            raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies {list(shape)}; check "
+                             "that config.json belongs to these weights.")
+    return {*keys, *bias_keys(keys)}
+
+
+def bias_keys(fused: tuple[str, str]) -> tuple[str, str]:
+    """The keys of the biases beside a layer's fused experts (GPT-OSS's gate_up_proj_bias, down_proj_bias)."""
+    return fused[0] + "_bias", fused[1] + "_bias"
 
 
 def class_skips(model, arch):
@@ -330,6 +351,15 @@ def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
     return read_weight(ckpt, weight_keys(fmt, key)[0], read=ckpt.read_new)[1]
 
 
+def expert_biases(ckpt: Checkpoint, arch, fused: tuple[str, str] | None) -> dict:
+    """A layer's expert biases as KTExperts takes them (gate's first), where the architecture has them (GPT-OSS,
+    published fused: _check_fused has checked them)."""
+    if not arch.expert_biases:
+        return {}
+    gate_up, down = (read_weight(ckpt, key)[1] for key in bias_keys(fused))
+    return dict(gate_up_proj_bias=arch.stock_layout().engine_bias(gate_up), down_proj_bias=down)
+
+
 def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, source: str, target: str,
                  fused: tuple[str, str] | None = None):
     """One layer's experts in the `target` format: (gate_up, down) BF16 tensors, or a QuantizedExperts. fused: the
@@ -337,23 +367,25 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
     already, else (transposed, or with rows for zero-computation experts) expert by expert."""
     if fused is not None:
         rows = ckpt.shape(fused[0])[0]
-        transposed = fused_transposed(ckpt, arch, fused, E, I, H, rows - E)
+        layout = StockLayout(fused_transposed(ckpt, arch, fused, E, I, H, rows - E), arch.gate_up_interleaved)
+
+        def expert(e):  # expert e's (gate_up [2I, H], down [H, I]) in the engine's layout
+            gate_up, down = layout.engine_weights(*(ckpt.read_slice(k, e)[None] for k in fused))
+            return gate_up[0], down[0]
+
         if target == "bf16":
             gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
-            if transposed or rows != E:
+            if layout != StockLayout() or rows != E:
                 for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
-                    for dst, key in ((gate_up[e], fused[0]), (down[e], fused[1])):
-                        values = ckpt.read_slice(key, e)
-                        dst.copy_(values.T if transposed else values)
+                    for dst, values in zip((gate_up[e], down[e]), expert(e)):
+                        dst.copy_(values)
             else:
                 ckpt.read_into(fused[0], gate_up)
                 ckpt.read_into(fused[1], down)
             return gate_up, down
         q = QuantizedExperts.empty(target, E, H, I)
         for e in range(E):  # expert by expert: one layer's fused tensors whole would take GBs more RAM
-            gate_up, e_down = (ckpt.read_slice(k, e) for k in fused)
-            if transposed:
-                gate_up, e_down = gate_up.T, e_down.T
+            gate_up, e_down = expert(e)
             q.set_expert(e, gate_up[:I], gate_up[I:], e_down)
         return q
     keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
@@ -509,7 +541,8 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
         try:
             fused = fused_keys(ckpt, arch, layer, name)
             weights = load_experts(ckpt, arch, layer, E, H, I, fmt, target, fused)
-            kwargs = dict(identity_experts=arch.identity_count(config), stock_transposed=arch.module_transposed)
+            kwargs = dict(identity_experts=arch.identity_count(config), stock_layout=arch.stock_layout(),
+                          unit=arch.unit, **expert_biases(ckpt, arch, fused))
             engine = KTExpertsLinear(*weights, train_base=train_base, **kwargs) if target == "bf16" else \
                 KTExpertsLinear(weights, **kwargs)
         except ValueError as e:  # the engine's and the codecs' refusals name an expert, not its layer

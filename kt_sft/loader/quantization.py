@@ -60,6 +60,11 @@ def checkpoint_format(quantization_config: dict | None) -> str:
             raise _unsupported(f"format {fmt!r} with weights {got} and input_activations "
                                f"{groups[0].get('input_activations')}")
         return "int4"
+    if method == "mxfp4":
+        raise ValueError("this checkpoint's experts are MXFP4 (quant_method 'mxfp4', as GPT-OSS is published), which "
+                         "kt_sft does not read; save a BF16 copy first (transformers: from_pretrained with "
+                         "quantization_config=Mxfp4Config(dequantize=True) and dtype=torch.bfloat16, then "
+                         "save_pretrained) and prepare that, with --expert-format fp8 or int4 to keep host RAM down.")
     raise _unsupported(f"quant_method {method!r}")
 
 

@@ -113,11 +113,15 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
             continue
         parent_name, _, child = name.rpartition(".")
         # LongCat-Flash's class allots gate/up rows to its zero-computation experts too, which never read them.
-        gate_up, down = module.gate_up_proj.detach()[:arch.expert_dims(module)[0]], module.down_proj.detach()
-        if arch.module_transposed:
-            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        layout = arch.stock_layout()
+        gate_up, down = layout.engine_weights(module.gate_up_proj.detach()[:arch.expert_dims(module)[0]],
+                                              module.down_proj.detach())
+        biases = {}
+        if arch.expert_biases:
+            biases = dict(gate_up_proj_bias=layout.engine_bias(module.gate_up_proj_bias.detach()),
+                          down_proj_bias=module.down_proj_bias.detach())
         experts = KTExpertsLinear(gate_up, down, train_base=train_base, identity_experts=arch.identity_count(config),
-                                  stock_transposed=arch.module_transposed)
+                                  stock_layout=layout, unit=arch.unit, **biases)
         setattr(model.get_submodule(parent_name), child, experts)
         replaced.append(experts)
     if not replaced:

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..nn.stock_layout import StockLayout
+from ..ops.reference import SWIGLU, Glu
+
 
 # Classes other libraries put in place of an architecture's experts class, with its weights' layout and its call:
 # Liger Kernel's (LLaMA-Factory's enable_liger_kernel swaps it in for the experts of the MoE models it patches).
@@ -42,6 +45,16 @@ class MoEArchitecture:
     # A forward put on the MoE blocks whose experts the engine computes, where the stock block does not call them as
     # transformers 5's call does (Llama 4's computes every expert on every token); None: the stock block's.
     block_forward: Callable | None = None
+    # Whether the module's (and checkpoint's) gate_up_proj alternates gate's and up's outputs (GPT-OSS).
+    gate_up_interleaved: bool = False
+    # Whether the experts have gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] (GPT-OSS).
+    expert_biases: bool = False
+    # The experts' gated unit (ops/reference.py Glu): SwiGLU, or GPT-OSS's clamped form.
+    unit: Glu = SWIGLU
+
+    def stock_layout(self) -> StockLayout:
+        """How the stock module holds its fused weights against the engine's layout (nn/stock_layout.py)."""
+        return StockLayout(self.module_transposed, self.gate_up_interleaved)
 
     def expert_dims(self, module) -> tuple[int, int, int]:
         """(E, I, H) of an experts module of this architecture, from its down_proj (LongCat-Flash's gate_up_proj

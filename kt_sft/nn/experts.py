@@ -34,8 +34,9 @@ from ..ops.experts_function import engine_inputs, experts_call, run_forward, to_
 from ..ops.gpu_lora import GpuLora, check_room
 from ..ops.kept_forward import (MISSES_BEFORE_OFF, KeptForward, keeps_forward, kept_bytes, matches, no_recompute_follows,
                                 own, recomputing, reserve_bytes, room_to_keep, setting_of)
-from ..ops.reference import PROJECTIONS, lora_scale
+from ..ops.reference import PROJECTIONS, SWIGLU, Glu, lora_scale
 from ..ops.stacked_lora_optimizers import check_optimizers_against
+from .stock_layout import StockLayout
 
 
 # Held while a backward decides where the engine writes a parameter's grad and while it hands that grad over: two
@@ -146,14 +147,6 @@ def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
-def _transpose_weights(state_dict, prefix: str) -> None:
-    """An experts module's BF16 weights in a state dict (its own, or its PEFT base layer's) between the engine's
-    layout and the stock module's transposed one (Llama 4's), either way."""
-    for key in (prefix + inner + name for inner in ("", "base_layer.") for name in ("gate_up_proj", "down_proj")):
-        if key in state_dict:
-            state_dict[key] = state_dict[key].transpose(1, 2)
-
-
 class LoadsInPlace:
     """Mixed into modules whose own parameters and buffers are expert weights the engine reads in place."""
 
@@ -187,29 +180,44 @@ class StackedLora(nn.ParameterDict):
 class KTExperts(LoadsInPlace, nn.Module):
     def __init__(self, gate_up_proj: torch.Tensor | QuantizedExperts, down_proj: torch.Tensor | None = None,
                  train_base: bool = False, check_finite: bool = False, identity_experts: int = 0,
-                 stock_transposed: bool = False):
+                 stock_layout: StockLayout = StockLayout(), gate_up_proj_bias: torch.Tensor | None = None,
+                 down_proj_bias: torch.Tensor | None = None, unit: Glu = SWIGLU):
         """BF16 experts from (gate_up_proj, down_proj), or quantized ones from a QuantizedExperts (down_proj None).
         identity_experts: how many zero-computation experts follow the E routed ones (LongCat-Flash): ids E to
         E + identity_experts - 1 return the token itself, times its routing weight, computed here in PyTorch.
-        stock_transposed: state dicts carry the weights as the stock module holds them, transposed from the
-        engine's layout (Llama 4: gate_up_proj [E, H, 2I], down_proj [E, I, H]), so that a save loads in stock
-        transformers and a stock save loads here."""
+        stock_layout: state dicts carry the weights as the stock module holds them where that differs from the
+        engine's layout (nn/stock_layout.py: Llama 4's and GPT-OSS's transposed, GPT-OSS's gate and up
+        interleaved), so that a save loads in stock transformers and a stock save loads here. gate_up_proj_bias [E, 2I] (gate's first; the engine adds it,
+        reading it in place), down_proj_bias [E, H] (added here, on the caller's device) and unit (the gated
+        unit's constants): GPT-OSS's experts. The biases train with the weights (train_base)."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):
             if down_proj is not None:
                 raise ValueError("KTExperts takes quantized experts as one QuantizedExperts, which holds down_proj "
                                  "too; pass no down_proj with it.")
-            self._init_quantized(gate_up_proj, train_base)
+            weights = self._init_quantized(gate_up_proj, train_base)
         else:
-            self._init_bf16(gate_up_proj, down_proj, train_base)
+            weights = self._init_bf16(gate_up_proj, down_proj, train_base)
+        self._init_biases(gate_up_proj_bias, down_proj_bias, train_base)
+        self.unit = Glu(*unit)
+        bias = self.gate_up_proj_bias
+        self.engine = _C.Engine(self.num_experts, self.hidden_size, self.intermediate_size, *weights,
+                                gate_up_bias=None if bias is None else view(engine_tensor(bias), "gate_up_proj_bias"),
+                                glu_alpha=self.unit.alpha, glu_limit=self.unit.limit,
+                                glu_up_offset=self.unit.up_offset)
+        if isinstance(gate_up_proj, QuantizedExperts) and self.engine.format != EXPERT_FORMATS[gate_up_proj.format]:
+            raise ValueError(f"QuantizedExperts says {gate_up_proj.format!r} but holds tensors of the "
+                             f"{self.engine.format} layout; build it with QuantizedExperts.quantize or "
+                             "QuantizedExperts.empty of that format.")
         self.expert_format = {v: k for k, v in EXPERT_FORMATS.items()}[self.engine.format]  # bf16 | fp8 | int4
         if isinstance(identity_experts, bool) or not isinstance(identity_experts, int) or identity_experts < 0:
             raise ValueError(f"identity_experts is {identity_experts!r}; it must be a count, 0 or more.")
-        self.identity_experts, self.stock_transposed = identity_experts, stock_transposed
-        if stock_transposed:
-            self._register_state_dict_hook(lambda module, state, prefix, metadata: _transpose_weights(state, prefix))
-            self._register_load_state_dict_pre_hook(lambda state, prefix, *args: _transpose_weights(state, prefix))
+        self.identity_experts, self.stock_layout = identity_experts, StockLayout(*stock_layout)
+        if self.stock_layout != StockLayout():
+            self._register_state_dict_hook(lambda module, state, prefix, _: module.stock_layout.to_stock(state, prefix))
+            self._register_load_state_dict_pre_hook(
+                lambda module, state, prefix, *_: module.stock_layout.to_engine(state, prefix), with_module=True)
         self._engine_weights = self._weights_read()
         self.check_finite = check_finite
         grad_clip.install()  # the trainers' gradient clipping, fast over these experts' CPU gradients
@@ -241,7 +249,7 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
         self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
         self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
-        self.engine = _C.Engine(E, H, two_i // 2, view(self.gate_up_proj), view(self.down_proj))
+        return view(self.gate_up_proj), view(self.down_proj)
 
     def _init_quantized(self, q: QuantizedExperts, train_base):
         if q.format not in ("fp8", "int4"):
@@ -258,11 +266,20 @@ class KTExperts(LoadsInPlace, nn.Module):
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"quantized expert tensor {name} must be a contiguous CPU tensor.")
             self.register_buffer(name + "_proj" if name in ("gate_up", "down") else name, t, persistent=False)
-        self.engine = _C.Engine(*q.shape, view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
-                                view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
-        if self.engine.format != EXPERT_FORMATS[q.format]:
-            raise ValueError(f"QuantizedExperts says {q.format!r} but holds tensors of the {self.engine.format} layout; "
-                             "build it with QuantizedExperts.quantize or QuantizedExperts.empty of that format.")
+        return (view(self.gate_up_proj, "gate_up_proj"), view(self.down_proj, "down_proj"),
+                view(self.gate_up_scale, "gate_up_scale"), view(self.down_scale, "down_scale"))
+
+    def _init_biases(self, gate_up_bias, down_bias, train_base):
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        for name, b, shape in (("gate_up_proj_bias", gate_up_bias, (E, 2 * I)), ("down_proj_bias", down_bias, (E, H))):
+            if b is not None and tuple(b.shape) != shape:
+                raise ValueError(f"{name} has shape {tuple(b.shape)}; these experts take {list(shape)}.")
+        # The gate/up bias is read in place by the engine, as the weights are (an ExpertWeight: a float32 master
+        # where a trainer upcasts it); the down bias only by PyTorch, so it follows the model's moves.
+        self.gate_up_proj_bias = None if gate_up_bias is None else ExpertWeight(
+            to_engine(gate_up_bias, torch.bfloat16 if gate_up_bias.dtype == torch.bfloat16 else torch.float32),
+            requires_grad=train_base)
+        self.down_proj_bias = None if down_bias is None else nn.Parameter(down_bias.detach(), requires_grad=train_base)
 
     # Both run on every forward (_weights_read on every backward too); until some expert weight in the process
     # takes a float32 master (which installs the step hook) they cost a decode step a few attribute reads per weight.
@@ -275,7 +292,14 @@ class KTExperts(LoadsInPlace, nn.Module):
             gate_up, down = engine_tensor(self.gate_up_proj), engine_tensor(self.down_proj)
         weights = (gate_up, down) if self.expert_format == "bf16" else (gate_up, down, self.gate_up_scale,
                                                                          self.down_scale)
+        if self.gate_up_proj_bias is not None:
+            weights += (engine_tensor(self.gate_up_proj_bias),)
         return tuple((t.data_ptr(), t.untyped_storage().nbytes(), t.shape) for t in weights)
+
+    def engine_weights(self) -> tuple:
+        """The parameters or buffers whose values the engine reads: the weights, and the gate/up bias if any."""
+        bias = self.gate_up_proj_bias
+        return (self.gate_up_proj, self.down_proj) if bias is None else (self.gate_up_proj, self.down_proj, bias)
 
     def check_weights_in_place(self) -> None:
         if self._weights_read() != self._engine_weights:
@@ -285,7 +309,7 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def _sync_weights(self) -> None:
         if _step_hook:
-            for weight in (self.gate_up_proj, self.down_proj):
+            for weight in self.engine_weights():
                 if isinstance(weight, ExpertWeight):
                     weight.sync()
 
@@ -692,6 +716,20 @@ class KTExperts(LoadsInPlace, nn.Module):
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             adapter: str | None) -> torch.Tensor:
         """The forward, applying adapter's LoRA (None: the base experts)."""
+        out = self._run_routed(hidden_states, top_k_index, top_k_weights, adapter)
+        if self.down_proj_bias is None:
+            return out
+        # Σ_k w[t,k]·bd[e(t,k)] as one product of the routing weights scattered per expert [T, E] with the bias:
+        # autograd gives the weights' and the bias's grads (the engine's dw covers the rest of each y).
+        E = self.num_experts
+        routed = (top_k_index >= 0) & (top_k_index < E)
+        dense = torch.zeros(top_k_index.shape[0], E, dtype=torch.float32, device=top_k_weights.device)
+        dense = dense.scatter_add(1, top_k_index.clamp(0, E - 1).to(dense.device),
+                                  top_k_weights.float() * routed.to(top_k_weights.device))
+        bias = self.down_proj_bias.to(device=dense.device, dtype=torch.float32)
+        return out + (dense @ bias).to(device=out.device, dtype=out.dtype)
+
+    def _run_routed(self, hidden_states, top_k_index, top_k_weights, adapter):
         if not self.identity_experts:
             return self._run(hidden_states, top_k_index, top_k_weights, adapter)
         # Pairs routed to a zero-computation expert go to no expert in the engine (id -1), and their weighted token
@@ -733,8 +771,9 @@ class KTExperts(LoadsInPlace, nn.Module):
                              "lora_dropout (the nn.Dropout's p) below 1.")
         dropout = (p, int(torch.randint(0, 2**31, ()).item())) if p > 0 else (0.0, 0)
         trains = torch.is_grad_enabled() and (
-            hidden_states.requires_grad or top_k_weights.requires_grad or self.gate_up_proj.requires_grad
-            or self.down_proj.requires_grad or any(p is not None and p.requires_grad for p in lora))
+            hidden_states.requires_grad or top_k_weights.requires_grad
+            or any(p.requires_grad for p in self.engine_weights())
+            or any(p is not None and p.requires_grad for p in lora))
         if not trains:
             xc, idx, w, lora32 = engine_inputs(self, hidden_states, top_k_index, top_k_weights, lora)
             # Gradient checkpointing's first pass, most likely.
@@ -769,7 +808,8 @@ class KTExperts(LoadsInPlace, nn.Module):
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) live in CPU RAM for good: device and dtype moves skip
         # them. So do their LoRA's values, which only move to where lora_home says (never a dtype cast).
-        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj") if n in self._parameters}
+        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias")
+                if n in self._parameters}
         kept_buffers, self._buffers = self._buffers, {}
         kept_a, kept_b = self._modules.pop("lora_A"), self._modules.pop("lora_B")
         try:
@@ -787,5 +827,7 @@ class KTExperts(LoadsInPlace, nn.Module):
     def extra_repr(self) -> str:
         lora = f", lora_r={self.r}" if self.r else ""
         identity = f", identity_experts={self.identity_experts}" if self.identity_experts else ""
+        bias = ", bias=True" if self.gate_up_proj_bias is not None or self.down_proj_bias is not None else ""
+        unit = f", unit={tuple(self.unit)}" if self.unit != SWIGLU else ""
         return (f"experts={self.num_experts}{identity}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}, format={self.expert_format}{lora}")
+                f"intermediate={self.intermediate_size}, format={self.expert_format}{bias}{unit}{lora}")

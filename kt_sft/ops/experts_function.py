@@ -24,9 +24,10 @@ from .kept_forward import recomputing
 from .timing import add_engine_seconds, engine_timer, uncounted
 
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16)
-# StartEngine's inputs: call, x, top_k_index, top_k_weights, gate_up, down; then the 6 LoRA matrices
-N_FIXED_INPUTS = 6
-GATE_UP_INPUT, DOWN_INPUT = 4, 5
+# StartEngine's inputs: call, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias (or None); then the 6 LoRA
+# matrices
+N_FIXED_INPUTS = 7
+GATE_UP_INPUT, DOWN_INPUT, GATE_UP_BIAS_INPUT = 4, 5, 6
 
 
 def to_engine(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -95,10 +96,10 @@ def grad_destination(param: torch.Tensor) -> str:
         return TO_CALLER
 
 
-def _versions(gate_up, down, lora_params) -> tuple:
-    """The version counters of what a training call's backward reads again (the weights, the LoRA matrices):
-    autograd's own check does not see them, as the engine keeps no saved tensors of them."""
-    return tuple(t._version for t in (gate_up, down, *lora_params) if t is not None)
+def _versions(weights, lora_params) -> tuple:
+    """The version counters of what a training call's backward reads again (the weights and gate/up bias, the LoRA
+    matrices): autograd's own check does not see them, as the engine keeps no saved tensors of them."""
+    return tuple(t._version for t in (*weights, *lora_params) if t is not None)
 
 
 def lora_views(mats):
@@ -164,7 +165,7 @@ def experts_call(module, x, top_k_index, top_k_weights, lora, lora_params, besid
     lora: (r, scale, (dropout p, seed))."""
     call = EngineCall(module, lora, lora_params, beside is not None and runs_beside(x.device))
     token = StartEngine.apply(call, x, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
-                              *lora_params)
+                              module.gate_up_proj_bias, *lora_params)
     if beside is not None:
         beside()
     return EngineResult.apply(call, token)
@@ -189,7 +190,7 @@ class EngineCall:
 
 class StartEngine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, call, x, top_k_index, top_k_weights, gate_up, down, *lora_params):
+    def forward(ctx, call, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, *lora_params):
         if x.is_inference():  # as autograd refuses saving one for backward (it has no version counter to check)
             raise RuntimeError("hidden_states is an inference tensor (made under torch.inference_mode), which cannot "
                                "be saved for backward; pass a clone made outside inference_mode to train on it.")
@@ -213,8 +214,8 @@ class StartEngine(torch.autograd.Function):
         # backward reads it again, so a change in place since (which autograd's saved tensors would catch) is too.
         call.x_version = (x, x._version) if xc.data_ptr() == x.data_ptr() else None
         call.needs = ctx.needs_input_grad
-        call.weights = gate_up, down
-        call.versions = _versions(gate_up, down, lora_params)
+        call.weights = gate_up, down, gate_up_bias
+        call.versions = _versions(call.weights, lora_params)
         call.x_meta = (x.device, x.dtype)
         call.w_meta = (top_k_weights.device, top_k_weights.dtype, tuple(top_k_weights.shape))
         ctx.call = call
@@ -223,7 +224,7 @@ class StartEngine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token):
         call = ctx.call
-        dx, dw, lora_grads, direct, base = call.grads
+        dx, dw, lora_grads, direct, base, d_bias = call.grads
         work, call.backward_work = call.backward_work, None
         try:
             try:
@@ -245,7 +246,9 @@ class StartEngine(torch.autograd.Function):
             raise
         out_lora = [None if g is None or d else g.to(device=p.device, dtype=p.dtype)
                     for p, g, d in zip(call.lora_params, lora_grads, direct)]
-        return (None, dx, None, dw, *base, *out_lora)
+        bias = call.weights[2]
+        d_bias = None if d_bias is None else d_bias.to(device=bias.device, dtype=bias.dtype)
+        return (None, dx, None, dw, *base, d_bias, *out_lora)
 
 
 class EngineResult(torch.autograd.Function):
@@ -279,7 +282,7 @@ class EngineResult(torch.autograd.Function):
                                "products) would silently miss the routed experts' terms; run it with "
                                "create_graph=False.")
         module.check_weights_in_place()  # replaced since the forward: the engine would read freed memory
-        if _versions(*call.weights, call.lora_params) != call.versions:
+        if _versions(call.weights, call.lora_params) != call.versions:
             raise RuntimeError("KTExperts: an expert weight or LoRA matrix was changed in place between this forward "
                                "and its backward (an optimizer step or a LoRA merge before backward), so the backward "
                                "would mix the forward's activations with other weights; call backward before "
@@ -335,6 +338,10 @@ def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -
         base.append(target)
         base_out.append(target if where == TO_CALLER else None)
     d_gate_up, d_down = base
+    # The gate/up bias's grad (small: [E, 2I]) is always the engine's sum into zeros, handed to autograd.
+    bias = module.gate_up_proj_bias
+    d_bias = (torch.zeros(bias.shape, dtype=torch.float32) if need[GATE_UP_BIAS_INPUT]
+              and grad_destination(bias) != NOWHERE else None)
     with engine_timer("transfer"):
         dout = to_engine(grad_out, xc.dtype)
     r, scale, dropout = call.lora
@@ -352,8 +359,8 @@ def start_backward(call: EngineCall, xc: torch.Tensor, grad_out: torch.Tensor) -
         pending = module.engine.backward(
             call.saved, view(xc), view(dout), r, scale, lora_views(call.lora32),
             view(dx), view(dw), lora_views(lora_grads), view(d_gate_up), view(d_down), *dropout,
-            now=not concurrent, lora_accumulate=accumulate, backward_copy=copy,
+            now=not concurrent, lora_accumulate=accumulate, backward_copy=copy, d_gate_up_bias=view(d_bias),
         )  # the pending call holds every tensor it reads or writes (dout included) until it is done
     call.running = Running(pending, "backward", t0, None if concurrent else time.perf_counter())
     call.backward_work = work
-    call.grads = dx, dw, lora_grads, direct, base_out
+    call.grads = dx, dw, lora_grads, direct, base_out, d_bias

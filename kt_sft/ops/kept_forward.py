@@ -128,7 +128,7 @@ def recomputing() -> bool:
 def setting_of(module, lora_params, lora) -> tuple:
     """What besides the inputs shapes a forward's result: lora (rank, scale, (dropout p, seed)) and the identity
     and version of every weight it reads."""
-    weights = (module.gate_up_proj, module.down_proj, *(p for p in lora_params if p is not None))
+    weights = (*module.engine_weights(), *(p for p in lora_params if p is not None))
     return lora, tuple((t.data_ptr(), t._version) for t in weights)
 
 

@@ -2,8 +2,9 @@
 
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k, r LoRA rank.
 Per expert e, with s the LoRA scale:
-    g = x Wgᵀ + s (x Agᵀ) Bgᵀ,  u = x Wuᵀ + s (x Auᵀ) Buᵀ,  h = silu(g)·u,  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
+    g = x Wgᵀ + s (x Agᵀ) Bgᵀ + bg,  u = x Wuᵀ + s (x Auᵀ) Buᵀ + bu,  h = glu(g, u),  y = h Wdᵀ + s (h Adᵀ) Bdᵀ + bd
     out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
+with the biases optional (GPT-OSS has them) and glu silu(g)·u, or GPT-OSS's clamped form (Glu).
 Autograd through this function gives the reference gradients of x, w, every LoRA A/B and the base weights.
 Computed in the dtype of its inputs (tests use float64).
 """
@@ -16,6 +17,26 @@ import torch
 import torch.nn.functional as F
 
 PROJECTIONS = ("gate", "up", "down")
+
+
+class Glu(NamedTuple):
+    """The experts' gated unit: h = g'·sigmoid(alpha·g')·(u' + up_offset), g' = min(g, limit), u' = u clamped to
+    ±limit (csrc/kernels/kernels.h). The defaults are SwiGLU, silu(g)·u."""
+
+    alpha: float = 1.0
+    limit: float = math.inf
+    up_offset: float = 0.0
+
+
+SWIGLU = Glu()
+GPT_OSS_GLU = Glu(alpha=1.702, limit=7.0, up_offset=1.0)  # transformers' GptOssExperts
+
+
+def glu(g: torch.Tensor, u: torch.Tensor, f: Glu = SWIGLU) -> torch.Tensor:
+    if f == SWIGLU:
+        return F.silu(g) * u
+    g = g.clamp(max=f.limit)
+    return g * torch.sigmoid(g * f.alpha) * (u.clamp(-f.limit, f.limit) + f.up_offset)
 
 
 class LoraWeights(NamedTuple):
@@ -65,10 +86,13 @@ def moe_experts_reference(
     down: torch.Tensor,
     lora: LoraWeights | None = None,
     identity_experts: int = 0,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    unit: Glu = SWIGLU,
 ) -> torch.Tensor:
-    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I]. Ids E to
-    E + identity_experts - 1 are zero-computation experts (LongCat-Flash): each returns its token; id -1 is no
-    expert (adds nothing)."""
+    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I],
+    gate_up_bias [E,2I] (gate's first), down_bias [E,H]. Ids E to E + identity_experts - 1 are zero-computation
+    experts (LongCat-Flash): each returns its token; id -1 is no expert (adds nothing)."""
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
     out = torch.zeros_like(x)
@@ -83,10 +107,14 @@ def moe_experts_reference(
         if lora is not None:
             g = g + _lora(lora, "gate", e, xe, rows)
             u = u + _lora(lora, "up", e, xe, rows)
-        h = F.silu(g) * u
+        if gate_up_bias is not None:
+            g, u = g + gate_up_bias[e, :inter], u + gate_up_bias[e, inter:]
+        h = glu(g, u, unit)
         y = h @ down[e].T
         if lora is not None:
             y = y + _lora(lora, "down", e, h, rows)
+        if down_bias is not None:
+            y = y + down_bias[e]
         out.index_add_(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))
     identity = (top_k_index >= E) & (top_k_index < E + identity_experts)
     return out + (top_k_weights * identity).sum(-1, keepdim=True) * x
@@ -108,9 +136,12 @@ class ReferenceExperts(torch.nn.Module):
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, lora_A: dict | None = None,
-                 lora_B: dict | None = None, scale: float = 0.0, identity_experts: int = 0):
+                 lora_B: dict | None = None, scale: float = 0.0, identity_experts: int = 0,
+                 gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None, unit: Glu = SWIGLU):
         super().__init__()
-        self.identity_experts = identity_experts
+        self.identity_experts, self.unit = identity_experts, unit
+        self.gate_up_bias = None if gate_up_bias is None else torch.nn.Parameter(gate_up_bias)
+        self.down_bias = None if down_bias is None else torch.nn.Parameter(down_bias)
         self.gate_up_proj = torch.nn.Parameter(gate_up)
         self.down_proj = torch.nn.Parameter(down)
         self.lora_A = torch.nn.ParameterDict({p: torch.nn.Parameter(t) for p, t in (lora_A or {}).items()})
@@ -120,5 +151,7 @@ class ReferenceExperts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         lora = LoraWeights(dict(self.lora_A), dict(self.lora_B), self.scale) if len(self.lora_A) else None
         w = top_k_weights.to(hidden_states.dtype)
-        return moe_experts_reference(hidden_states, top_k_index, w, self.gate_up_proj.to(hidden_states.dtype),
-                                     self.down_proj.to(hidden_states.dtype), lora, self.identity_experts)
+        dt = hidden_states.dtype
+        biases = (None if b is None else b.to(dt) for b in (self.gate_up_bias, self.down_bias))
+        return moe_experts_reference(hidden_states, top_k_index, w, self.gate_up_proj.to(dt), self.down_proj.to(dt),
+                                     lora, self.identity_experts, *biases, self.unit)

@@ -227,15 +227,19 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         adapters, then loads the last)."""
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
+        gate_up_bias, down_bias = self.gate_up_proj_bias, self.down_proj_bias
         same = dict(check_finite=self.check_finite, identity_experts=self.identity_experts,
-                    stock_transposed=self.stock_transposed)
+                    stock_layout=self.stock_layout, down_proj_bias=down_bias, unit=self.unit,
+                    gate_up_proj_bias=None if gate_up_bias is None else engine_tensor(gate_up_bias))
         if self.expert_format == "bf16":
             gate_up, down = self.gate_up_proj, self.down_proj
             experts = KTExpertsLinear(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
                                       **same)
-            for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
-                if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
-                    new.data = old.data
+            pairs = ((experts.gate_up_proj, gate_up), (experts.down_proj, down),
+                     (experts.gate_up_proj_bias, gate_up_bias))
+            for new, old in pairs:
+                if old is not None and old.dtype == torch.float32 and new.dtype == torch.bfloat16:
+                    new.data = old.data  # a float32 master: the same one, over the same BF16 weights
         else:
             experts = KTExpertsLinear(self.quantized_weights(), **same)
         guard = self.__dict__.get("base_guard")  # the loader's refusal of training base weights beside these experts

@@ -48,14 +48,21 @@ def kt_and_reference(model_type):
             new = ReferenceExperts(module.gate_up_proj.detach().float(), module.down_proj.detach().float(),
                                    {p: t.detach().clone() for p, t in A.items()},
                                    {p: t.detach().clone() for p, t in B.items()}, module.scaling["default"],
-                                   module.identity_experts)
-            new.gate_up_proj.requires_grad_(False)
-            new.down_proj.requires_grad_(False)
+                                   module.identity_experts, *biases_of(module), module.unit)
+            for frozen in (new.gate_up_proj, new.down_proj, new.gate_up_bias, new.down_bias):
+                if frozen is not None:
+                    frozen.requires_grad_(False)
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent), child, new)
             if block_forward is not None:  # Llama 4's block, calling its experts as ours does
                 ref.get_submodule(parent).forward = types.MethodType(block_forward, ref.get_submodule(parent))
     return kt, ref
+
+
+def biases_of(experts):
+    """An experts module's (gate_up_proj_bias, down_proj_bias) as float32 frozen copies (None where it has none)."""
+    return [None if b is None else b.detach().float().clone() for b in (experts.gate_up_proj_bias,
+                                                                       experts.down_proj_bias)]
 
 
 def lora_tensors(model):

@@ -120,6 +120,9 @@ CONFIGS = {
                            image_size=16, patch_size=4, projector_input_dim=64, projector_output_dim=64,
                            vision_output_dim=64, pixel_shuffle_ratio=0.5),
         image_token_index=96, boi_token_index=97, eoi_token_index=98),
+    "gpt_oss": lambda: transformers.GptOssConfig(  # a sliding-window layer, then a full one; experts with biases
+        **COMMON, head_dim=16, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"]),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
@@ -138,6 +141,8 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
                 p.copy_(p.bfloat16().float())
             if "e_score_correction_bias" in name:  # deepseek/glm/minimax: make the bias matter
                 p.normal_(0, 0.1)
+            if name.endswith("experts.gate_up_proj_bias"):  # gpt_oss: wide enough that some g and u pass the clamps
+                p.normal_(0, 4)
     return model.eval()
 
 
