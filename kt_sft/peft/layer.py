@@ -30,6 +30,9 @@ from __future__ import annotations
 import functools
 import inspect
 
+import peft
+import peft.peft_model
+import peft.utils.save_and_load
 import torch
 from peft.tuners.lora import LoraLayer, LoraModel
 from peft.mapping import PEFT_TYPE_TO_TUNER_MAPPING
@@ -39,6 +42,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from ..nn.experts import KTExperts, LoadsInPlace, engine_tensor
+from ..nn.stock_layout import adapter_state_only
 
 # KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
 WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")
@@ -422,3 +426,21 @@ LoraModel._create_and_replace = _passing_over_covered_blocks(LoraModel._create_a
 for _peft_type, _tuner in PEFT_TYPE_TO_TUNER_MAPPING.items():
     if _tuner is not LoraModel and _peft_type.value != "XLORA" and "_create_and_replace" in vars(_tuner):
         _tuner._create_and_replace = _refusing_the_experts(_tuner._create_and_replace, _peft_type.value)
+
+
+def _reading_adapter_state(get_state_dict):
+    """PEFT's get_peft_model_state_dict, which reads the whole model's state_dict() and keeps the adapter's keys:
+    meanwhile the experts leave their weights in the engine's layout (nn/stock_layout.py), where GPT-OSS's stock one
+    would copy every layer's gate_up_proj at each checkpoint save."""
+    @functools.wraps(get_state_dict)
+    def reading(*args, **kwargs):
+        with adapter_state_only():
+            return get_state_dict(*args, **kwargs)
+    return reading
+
+
+_stock_adapter_state = peft.utils.save_and_load.get_peft_model_state_dict
+_adapter_state = _reading_adapter_state(_stock_adapter_state)
+for _module in (peft, peft.utils, peft.utils.save_and_load, peft.peft_model, getattr(peft, "functional", None)):
+    if getattr(_module, "get_peft_model_state_dict", None) is _stock_adapter_state:  # each name it is imported under
+        _module.get_peft_model_state_dict = _adapter_state

@@ -1,0 +1,136 @@
+"""GPT-OSS: experts with gate/up and down biases and a clamped gated unit, held transposed with gate's and up's
+outputs interleaved. Full fine-tuning (the biases' grads too) against stock transformers; saves in the stock layout
+that stock transformers loads; adapter saves that leave the expert weights as they are."""
+import copy
+
+import peft
+import pytest
+import torch
+import transformers
+
+from kt_sft.formats import QuantizedExperts
+from kt_sft.cli import run
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.models import architecture_of, use_cpu_experts
+from kt_sft.nn import stock_layout
+from kt_sft.peft.layer import KTExpertsLinear
+from test_peft_parity import batch, kt_and_reference
+from tiny_models import save_checkpoint, tiny_model
+from tolerances import BF16_GRAD, FP32_IO, MERGED_BF16, rel_l2
+
+EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def test_full_mode_gradients_match_stock_model():
+    stock = tiny_model("gpt_oss").train()
+    kt = copy.deepcopy(stock)
+    use_cpu_experts(kt)
+    kt.requires_grad_(True)
+    ids = batch(0)["input_ids"]
+    for model in (stock, kt):
+        for micro in range(2):  # two micro-batches: the grads accumulate
+            model(input_ids=ids.roll(micro, 1), labels=ids.roll(micro, 1)).loss.backward()
+    layout = architecture_of(stock.config).stock_layout()
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    checked = 0
+    for name, p in kt.named_parameters():
+        module, _, param = name.rpartition(".")
+        ref = stock_grads[name]
+        if param in EXPERT_PARAMS and isinstance(kt.get_submodule(module), KTExpertsLinear):
+            if param == "gate_up_proj_bias":
+                ref = layout.engine_bias(ref)
+            elif param != "down_proj_bias":
+                ref = layout.engine_weights(ref, ref)[0 if param == "gate_up_proj" else 1]
+            # The weights' grads land in their BF16 param.grad; the biases' are float32, as the tiny model's biases.
+            assert rel_l2(p.grad, ref) <= (BF16_GRAD if p.dtype == torch.bfloat16 else FP32_IO), name
+            checked += 1
+        else:
+            assert rel_l2(p.grad, ref) <= FP32_IO, name
+    assert checked == 8  # the four expert tensors of both MoE layers
+
+
+def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path):
+    kt, _ = kt_and_reference("gpt_oss")
+    ids = batch(2)["input_ids"]
+    with torch.no_grad():
+        adapter = kt(ids).logits
+    merged = kt.merge_and_unload()
+    state = merged.state_dict()
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (6, 64, 80)  # [E, H, 2I], as stock holds it
+    merged.save_pretrained(tmp_path)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(stock(ids).logits, adapter) <= MERGED_BF16
+
+
+def test_a_stock_state_dict_loads_into_the_engine():
+    stock = tiny_model("gpt_oss", seed=5)
+    kt = tiny_model("gpt_oss")
+    use_cpu_experts(kt)
+    assert not kt.load_state_dict(stock.state_dict(), strict=True).missing_keys
+    ids = batch(3)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_an_adapter_save_copies_no_expert_weights(tmp_path, monkeypatch):
+    # PEFT reads the whole model's state_dict() for an adapter: the stock layout's gate/up interleaving would copy
+    # every layer's gate_up_proj (as much host RAM again as the BF16 experts) at each checkpoint.
+    kt, _ = kt_and_reference("gpt_oss")
+    interleave = stock_layout._interleave
+    copied = []
+    monkeypatch.setattr(stock_layout, "_interleave", lambda t: copied.append(t.shape) or interleave(t))
+    kt.save_pretrained(tmp_path)
+    assert copied == [(6, 80)] * 2  # the gate/up biases only, which an adapter with bias="all" saves
+    state = peft.get_peft_model_state_dict(kt)
+    assert state and all("lora_" in k for k in state)
+    fresh = tiny_model("gpt_oss")
+    use_cpu_experts(fresh)
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
+    ids = batch(4)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, kt(ids).logits)
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
+def test_quantized_experts_keep_their_biases_and_unit(expert_format):
+    stock = tiny_model("gpt_oss")
+    kt = copy.deepcopy(stock)
+    use_cpu_experts(kt)
+    for name, module in list(kt.named_modules()):
+        if isinstance(module, KTExpertsLinear):
+            q = QuantizedExperts.quantize(expert_format, module.gate_up_proj.detach(), module.down_proj.detach())
+            new = KTExpertsLinear(q, gate_up_proj_bias=module.gate_up_proj_bias.detach(),
+                                  down_proj_bias=module.down_proj_bias.detach(), unit=module.unit,
+                                  stock_layout=module.stock_layout)
+            parent, _, child = name.rpartition(".")
+            setattr(kt.get_submodule(parent), child, new)
+            gate_up, down = q.dequantize()
+            stock_module = stock.get_submodule(name)
+            with torch.no_grad():
+                stock_module.gate_up_proj.copy_(stock_layout.StockLayout(True, True)._to_stock("gate_up_proj", gate_up))
+                stock_module.down_proj.copy_(down.transpose(1, 2))
+    ids = batch(5)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_kt_sft_merge_puts_each_update_into_the_interleaved_rows(tmp_path):
+    # GPT-OSS's gate_up_proj holds gate's and up's outputs alternating (and transposed): each expert's gate and up
+    # updates go into their own rows, the biases stay, and stock transformers loads the result with the adapter's
+    # logits.
+    save_checkpoint(tiny_model("gpt_oss"), tmp_path / "model")
+    model = tiny_model("gpt_oss")
+    use_cpu_experts(model)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
+    peft_model = peft.get_peft_model(model.requires_grad_(False), lora)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    assert run(["merge", str(tmp_path / "model"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    before, after = Checkpoint(tmp_path / "model"), Checkpoint(tmp_path / "merged")
+    changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
+    assert {k for k in changed if ".experts." in k} == {f"model.layers.{n}.mlp.experts.{p}" for n in (0, 1)
+                                                        for p in ("gate_up_proj", "down_proj")}
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ids = batch(6)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(merged(ids).logits, peft_model(ids).logits) <= FP32_IO
