@@ -134,3 +134,60 @@ def test_kt_sft_merge_puts_each_update_into_the_interleaved_rows(tmp_path):
     ids = batch(6)["input_ids"]
     with torch.no_grad():
         assert rel_l2(merged(ids).logits, peft_model(ids).logits) <= FP32_IO
+
+
+def stock_with_the_experts_of(stock, kt):
+    """stock with each MoE layer's experts set to what kt's engine computes with (dequantized FP8/INT4)."""
+    for name, module in kt.named_modules():
+        if isinstance(module, KTExpertsLinear):
+            gate_up, down = module.base_weights()
+            target = stock.get_submodule(name)
+            with torch.no_grad():
+                target.gate_up_proj.copy_(module.stock_layout._to_stock("gate_up_proj", gate_up.float()))
+                target.down_proj.copy_(module.stock_layout._to_stock("down_proj", down.float()))
+    return stock
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
+def test_a_bf16_checkpoint_prepared_to_a_quantized_format(tmp_path, expert_format):
+    # The fused, transposed and interleaved experts quantized expert by expert at load, their biases beside them.
+    stock = tiny_model("gpt_oss")
+    save_checkpoint(stock, tmp_path / "model")
+    assert run(["prepare", str(tmp_path / "model"), str(tmp_path / "prepared"), "--expert-format",
+                expert_format]) == 0
+    kt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                           dtype=torch.float32)
+    experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
+    assert [m.expert_format for m in experts] == [expert_format] * 2
+    assert all(m.gate_up_proj_bias is not None and m.unit == architecture_of(stock.config).unit for m in experts)
+    ids = batch(7)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock_with_the_experts_of(stock, kt)(ids).logits) <= FP32_IO
+
+
+def test_lora_sft_with_the_transformers_trainer_on_a_prepared_checkpoint(tmp_path):
+    # LLaMA-Factory 0.9.5 cannot train GPT-OSS (its configure_attn_implementation imports a transformers function
+    # that 5.6 lacks, for a hub kernel, before any model loads), so this is its way: the Trainer and PEFT on the
+    # prepared directory; the adapter it saves serves the trained model.
+    stock = tiny_model("gpt_oss")
+    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
+        stock.lm_head.weight.normal_(0, 0.15)
+    save_checkpoint(stock, tmp_path / "model")
+    assert run(["prepare", str(tmp_path / "model"), str(tmp_path / "prepared")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["experts", "o_proj"]))
+    ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(8))
+    rows = [dict(input_ids=row, labels=row) for row in ids]
+    args = transformers.TrainingArguments(tmp_path / "run", max_steps=30, learning_rate=2e-2, logging_steps=1,
+                                          per_device_train_batch_size=4, save_steps=30, report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    curve = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert curve[-1] < 0.5 * curve[0], curve
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    served = peft.PeftModel.from_pretrained(fresh, tmp_path / "run" / "checkpoint-30")
+    with torch.no_grad():
+        assert torch.equal(served(ids[:2]).logits, model(ids[:2]).logits)
