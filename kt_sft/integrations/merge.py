@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from ..formats import fp8_block, int4_group
+from ..formats import fp8_block, int4_group, mxfp4
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
 from ..loader.model import fused_keys, fused_transposed
 from ..loader.quantization import read_weight, weight_keys
@@ -178,6 +178,10 @@ def fused_experts(ckpt: Checkpoint, arch, model: dict, prefix: str,
     keys = fused_keys(ckpt, arch, layer, arch.experts_prefix(layer).removesuffix("."), prefix)
     if keys is None:
         return None
+    if keys[0] + mxfp4.SUFFIXES[0] in ckpt.shard_of:
+        raise ValueError(f"{keys[0]} is stored in MXFP4, which kt-sft merge does not write; serve the adapter "
+                         "unmerged, or write a merged BF16 model (llamafactory-cli export, or merge_and_unload and "
+                         "save_pretrained on the trained model).")
     E, H, I = expert_sizes(model)
     return keys, fused_transposed(ckpt, arch, keys, E, I, H, ckpt.shape(keys[0])[0] - E)
 

@@ -18,7 +18,7 @@ from .._ext import KERNEL_SETS, _thread_count
 from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint, model_class
-from ..loader.quantization import checkpoint_format, quantization_config_of
+from ..loader.quantization import checkpoint_format, engine_format, quantization_config_of
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from .export import read_config, resolved, text_config
 from .modeling import SETTINGS_KEY, file_digest
@@ -93,7 +93,8 @@ def checked_source(source: Path) -> tuple[dict, str, str, str, tuple[str, ...]]:
 
 def prepare(source: str | Path, out: str | Path, threads: int | None = None, kernels: str | None = None,
             expert_format: str | None = None) -> Path:
-    """expert_format: 'bf16', 'fp8' or 'int4' for the routed experts in RAM (default: the checkpoint's own)."""
+    """expert_format: 'bf16', 'fp8' or 'int4' for the routed experts in RAM (default: the checkpoint's own; BF16 for
+    MXFP4, which the engine does not compute on)."""
     source, out = resolved(source), Path(out)
     if not (source / "config.json").exists():
         raise FileNotFoundError(f"{source} has no config.json; point at a Hugging Face model directory.")
@@ -150,7 +151,8 @@ def prepare(source: str | Path, out: str | Path, threads: int | None = None, ker
     raw["auto_map"] = {name: "modeling_kt_sft.KTSFTForCausalLM" for name in auto_map}
     raw[SETTINGS_KEY] = {"source": str(source), "source_model_type": published_type,
                          "threads": threads, "kernels": kernels, "source_format": fmt,
-                         "expert_format": expert_format or fmt, "checkpoint_prefix": prefix, "copies": copies,
+                         "expert_format": expert_format or engine_format(fmt), "checkpoint_prefix": prefix,
+                         "copies": copies,
                          "source_config": file_digest(source / "config.json")}
     (out / SHIM).write_text(SHIM_TEXT)
     for f in files:

@@ -206,4 +206,4 @@ def _read_bytes(shard: Path, offset: int, out: torch.Tensor, key: str) -> None:
 
 # safetensors dtypes whose file bytes are the torch tensor's bytes (little-endian x86).
 _RAW_DTYPES = {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "F32": torch.float32,
-               "F16": torch.float16}
+               "F16": torch.float16, "U8": torch.uint8}

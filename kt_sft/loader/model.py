@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .._ext import profile_every, require_one_process, require_settings
-from ..formats import QuantizedExperts
+from ..formats import QuantizedExperts, mxfp4
 from ..models import architecture_of
 from ..models.registry import text_config_of
 from ..models.patch import accept_per_expert_weights, install_around_the_engine
@@ -27,8 +27,8 @@ from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
-from .quantization import (COMPANION_SUFFIXES, check_stored_weight, checkpoint_format, quantization_config_of,
-                           read_weight, stored_shapes, stored_weight_shape, weight_keys)
+from .quantization import (COMPANION_SUFFIXES, check_stored_weight, checkpoint_format, engine_format,
+                           quantization_config_of, read_weight, stored_shapes, stored_weight_shape, weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -220,12 +220,12 @@ def experts_key_prefixes(arch, layer: int, module: str) -> tuple[str, ...]:
 
 
 def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = "") -> tuple[str, str] | None:
-    """The keys of a layer's experts stored fused (`gate_up_proj`, `down_proj`: fused_shapes), or None where they
-    are stored per expert. prefix: the text model's key prefix, where ckpt reads a composite checkpoint's keys
-    whole (kt-sft merge)."""
+    """The keys of a layer's experts stored fused (`gate_up_proj`, `down_proj`: fused_shapes; MXFP4 ones under these
+    names with `_blocks` and `_scales` appended), or None where they are stored per expert. prefix: the text model's
+    key prefix, where ckpt reads a composite checkpoint's keys whole (kt-sft merge)."""
     for base in experts_key_prefixes(arch, layer, module):
         keys = (f"{prefix}{base}gate_up_proj", f"{prefix}{base}down_proj")
-        if any(k in ckpt.shard_of for k in keys):
+        if any(k + suffix in ckpt.shard_of for k in keys for suffix in ("", *mxfp4.SUFFIXES)):
             return keys
     return None
 
@@ -251,6 +251,8 @@ def fused_transposed(ckpt: Checkpoint, arch, keys: tuple[str, str], E: int, I: i
 
 def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer: int, E: int, I: int,
                  H: int, Z: int = 0) -> set[str]:
+    if fmt == "mxfp4":
+        return _check_mxfp4(ckpt, arch, keys, layer, E, I, H) | _check_biases(ckpt, arch, keys, fmt, E, I, H)
     if fmt != "bf16":
         raise ValueError(f"the checkpoint stores layer {layer}'s {fmt.upper()} routed experts fused ({keys[0]}), where "
                          f"kt_sft reads {fmt.upper()} experts one tensor per expert, as they are published; prepare "
@@ -269,8 +271,34 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                          f"implies {said} (fused experts: [experts, 2 x intermediate, hidden] and [experts, hidden, "
                          f"intermediate]{', or transposed' if len(shapes) > 1 else ''}); check that config.json "
                          "belongs to these weights.")
+    return {*keys, *_check_biases(ckpt, arch, keys, fmt, E, I, H)}
+
+
+def _check_mxfp4(ckpt: Checkpoint, arch, keys: tuple[str, str], layer: int, E: int, I: int, H: int) -> set[str]:
+    """A layer's MXFP4 experts (formats/mxfp4.py), as GPT-OSS publishes them: gate_up [E, 2I, H] and down [E, H, I],
+    each as uint8 blocks and scales. Returns their keys."""
+    expected = set()
+    for key, (out, inp) in zip(keys, ((2 * I, H), (H, I))):
+        if inp % mxfp4.GROUP:
+            raise ValueError(f"{key}'s rows hold {inp} weights, which MXFP4 stores in whole groups of "
+                             f"{mxfp4.GROUP}; check that config.json belongs to these weights.")
+        for suffix, shape in zip(mxfp4.SUFFIXES, ((E, out, inp // mxfp4.GROUP, mxfp4.GROUP // 2),
+                                                   (E, out, inp // mxfp4.GROUP))):
+            stored = key + suffix
+            if stored not in ckpt.shard_of:
+                raise ValueError(f"the checkpoint has no {stored}, which layer {layer}'s MXFP4 experts need; the "
+                                 "checkpoint is incomplete: download it again.")
+            if ckpt.dtype(stored) != "U8" or ckpt.shape(stored) != shape:
+                raise ValueError(f"{stored} is {ckpt.dtype(stored)} {list(ckpt.shape(stored))} but config.json implies "
+                                 f"U8 {list(shape)}; check that config.json belongs to these weights.")
+            expected.add(stored)
+    return expected
+
+
+def _check_biases(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, E: int, I: int, H: int) -> set[str]:
+    """The biases beside a layer's fused experts where the architecture has them (GPT-OSS's). Returns their keys."""
     if not arch.expert_biases:
-        return set(keys)
+        return set()
     for key, shape in zip(bias_keys(keys), ((E, 2 * I), (E, H))):
         if key not in ckpt.shard_of:
             raise ValueError(f"the checkpoint has no {key}, which {arch.model_type}'s experts have; the checkpoint is "
@@ -280,7 +308,7 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
         if ckpt.shape(key) != shape:
             raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies {list(shape)}; check "
                              "that config.json belongs to these weights.")
-    return {*keys, *bias_keys(keys)}
+    return set(bias_keys(keys))
 
 
 def bias_keys(fused: tuple[str, str]) -> tuple[str, str]:
@@ -366,16 +394,23 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
     keys of experts stored fused (fused_keys; BF16 or float): read whole where they are in the engine's layout
     already, else (transposed, or with rows for zero-computation experts) expert by expert."""
     if fused is not None:
-        rows = ckpt.shape(fused[0])[0]
-        layout = StockLayout(fused_transposed(ckpt, arch, fused, E, I, H, rows - E), arch.gate_up_interleaved)
+        if source == "mxfp4":  # [out, in] as the module holds them, decoded expert by expert
+            rows, layout = E, StockLayout(False, arch.gate_up_interleaved)
+
+            def read(key, e):
+                return mxfp4.dequantize(*(ckpt.read_slice(key + suffix, e) for suffix in mxfp4.SUFFIXES))
+        else:
+            rows = ckpt.shape(fused[0])[0]
+            layout = StockLayout(fused_transposed(ckpt, arch, fused, E, I, H, rows - E), arch.gate_up_interleaved)
+            read = ckpt.read_slice
 
         def expert(e):  # expert e's (gate_up [2I, H], down [H, I]) in the engine's layout
-            gate_up, down = layout.engine_weights(*(ckpt.read_slice(k, e)[None] for k in fused))
+            gate_up, down = layout.engine_weights(*(read(k, e)[None] for k in fused))
             return gate_up[0], down[0]
 
         if target == "bf16":
             gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
-            if layout != StockLayout() or rows != E:
+            if layout != StockLayout() or rows != E or source == "mxfp4":
                 for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
                     for dst, values in zip((gate_up[e], down[e]), expert(e)):
                         dst.copy_(values)
@@ -517,7 +552,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     arch = architecture_of(config)
     ckpt = Checkpoint(source, checkpoint_prefix)
     fmt = source_format(source)
-    target = expert_format or fmt
+    target = expert_format or engine_format(fmt)
     check_checkpoint(ckpt, config, fmt)
     with init_empty_weights(include_buffers=False):
         model = model_class(config).from_config(config, dtype=dtype)

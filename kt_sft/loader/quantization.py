@@ -1,14 +1,16 @@
 """Which expert format a checkpoint is published in (its config.json `quantization_config`), and reading its
 tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors pack-quantized INT4
-group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16 (`weight`)."""
+group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16 (`weight`); GPT-OSS's MXFP4 experts
+(`*_blocks` + `*_scales`, fused) are read by the loader's fused path (formats/mxfp4.py)."""
 from __future__ import annotations
 
 import torch
 
 from ..formats import fp8_block, int4_group
 
-SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]) and compressed-tensors pack-quantized "
-             "int4 (symmetric, group_size 32), or no quantization_config (BF16)")
+SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]), compressed-tensors pack-quantized "
+             "int4 (symmetric, group_size 32), mxfp4 (GPT-OSS's experts, read into BF16, FP8 or INT4), or no "
+             "quantization_config (BF16)")
 
 
 def _unsupported(what: str) -> ValueError:
@@ -61,11 +63,14 @@ def checkpoint_format(quantization_config: dict | None) -> str:
                                f"{groups[0].get('input_activations')}")
         return "int4"
     if method == "mxfp4":
-        raise ValueError("this checkpoint's experts are MXFP4 (quant_method 'mxfp4', as GPT-OSS is published), which "
-                         "kt_sft does not read; save a BF16 copy first (transformers: from_pretrained with "
-                         "quantization_config=Mxfp4Config(dequantize=True) and dtype=torch.bfloat16, then "
-                         "save_pretrained) and prepare that, with --expert-format fp8 or int4 to keep host RAM down.")
+        return "mxfp4"
     raise _unsupported(f"quant_method {method!r}")
+
+
+def engine_format(fmt: str) -> str:
+    """The engine's format for experts published in `fmt` unless --expert-format says otherwise: their own, or BF16
+    for MXFP4 (which the engine does not compute on; formats/mxfp4.py)."""
+    return "bf16" if fmt == "mxfp4" else fmt
 
 
 def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:

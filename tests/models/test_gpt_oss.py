@@ -8,14 +8,20 @@ import pytest
 import torch
 import transformers
 
-from kt_sft.formats import QuantizedExperts
+from safetensors.torch import save_file
+
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from kt_sft.formats import QuantizedExperts, mxfp4
 from kt_sft.cli import run
+from kt_sft.integrations.merge import merge_adapter
+from kt_sft.integrations.prepare import prepare
 from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.nn import stock_layout
 from kt_sft.peft.layer import KTExpertsLinear
 from test_peft_parity import batch, kt_and_reference
-from tiny_models import save_checkpoint, tiny_model
+from tiny_models import CONFIGS, save_checkpoint, tiny_model
 from tolerances import BF16_GRAD, FP32_IO, MERGED_BF16, rel_l2
 
 EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -191,3 +197,65 @@ def test_lora_sft_with_the_transformers_trainer_on_a_prepared_checkpoint(tmp_pat
     served = peft.PeftModel.from_pretrained(fresh, tmp_path / "run" / "checkpoint-30")
     with torch.no_grad():
         assert torch.equal(served(ids[:2]).logits, model(ids[:2]).logits)
+
+
+def mxfp4_checkpoint(path):
+    """A tiny GPT-OSS laid out as published: MXFP4 experts (random codes, exponents 2^-6 to 1) beside BF16 biases and
+    other weights, and its quantization_config. I = 64: MXFP4 rows hold whole groups of 32."""
+    config = transformers.GptOssConfig(**{**CONFIGS["gpt_oss"]().to_dict(), "intermediate_size": 64})
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(9)
+    state = {k: v for k, v in stock.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    state = {k: torch.randn(v.shape, generator=g) if ".experts." in k else v for k, v in state.items()}
+    for n in range(config.num_hidden_layers):
+        for proj, rows, cols in (("gate_up_proj", 128, 64), ("down_proj", 64, 64)):
+            key = f"model.layers.{n}.mlp.experts.{proj}"
+            state[key + "_blocks"] = torch.randint(0, 256, (6, rows, cols // 32, 16), generator=g, dtype=torch.uint8)
+            state[key + "_scales"] = torch.randint(121, 128, (6, rows, cols // 32), generator=g, dtype=torch.uint8)
+    config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    path.mkdir()
+    config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "tokenizer_config.json").write_text("{}")
+
+
+def test_mxfp4_decodes_as_transformers_does():
+    g = torch.Generator().manual_seed(11)
+    blocks = torch.randint(0, 256, (3, 80, 4, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (3, 80, 4), generator=g, dtype=torch.uint8)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # the module's [E, in, out]
+    assert torch.equal(mxfp4.dequantize(blocks, scales), theirs.transpose(1, 2))
+    with pytest.raises(ValueError, match="scale is 255"):
+        mxfp4.dequantize(blocks, scales.masked_fill(scales == 120, 255))
+
+
+@pytest.mark.parametrize("expert_format", [None, "fp8", "int4"])
+def test_a_published_mxfp4_checkpoint_prepares_and_matches_transformers(tmp_path, expert_format):
+    # Read as published (each expert's codes decoded at load, exactly, into BF16, or quantized again to FP8 / INT4),
+    # against transformers' own dequantization of the same checkpoint.
+    mxfp4_checkpoint(tmp_path / "published")
+    prepare(tmp_path / "published", tmp_path / "prepared", expert_format=expert_format)
+    kt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                           dtype=torch.float32)
+    assert {m.expert_format for m in kt.modules() if isinstance(m, KTExpertsLinear)} == {expert_format or "bf16"}
+    stock = transformers.AutoModelForCausalLM.from_pretrained(  # its experts dequantized to BF16 whatever dtype says
+        tmp_path / "published", quantization_config=transformers.Mxfp4Config(dequantize=True)).float()
+    if expert_format:
+        stock = stock_with_the_experts_of(stock, kt)
+    ids = batch(10)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_kt_sft_merge_refuses_mxfp4_experts(tmp_path):
+    mxfp4_checkpoint(tmp_path / "published")
+    prepare(tmp_path / "published", tmp_path / "prepared")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                              dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["experts"], init_lora_weights=False)
+    peft.get_peft_model(model, lora).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="stored in MXFP4, which kt-sft merge does not write"):
+        merge_adapter(tmp_path / "published", tmp_path / "adapter", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
