@@ -716,18 +716,21 @@ class KTExperts(LoadsInPlace, nn.Module):
     def run(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             adapter: str | None) -> torch.Tensor:
         """The forward, applying adapter's LoRA (None: the base experts)."""
-        out = self._run_routed(hidden_states, top_k_index, top_k_weights, adapter)
         if self.down_proj_bias is None:
-            return out
+            return self._run_routed(hidden_states, top_k_index, top_k_weights, adapter)
         # Σ_k w[t,k]·bd[e(t,k)] as one product of the routing weights scattered per expert [T, E] with the bias:
-        # autograd gives the weights' and the bias's grads (the engine's dw covers the rest of each y).
+        # autograd gives the weights' and the bias's grads (the engine's dw covers the rest of each y). Before the
+        # engine's call: non-reentrant checkpointing's recompute then stops at that call, having every tensor the
+        # backward saved (after it, the recompute ran the engine's forward again for this product's).
+        self._check(hidden_states, top_k_index, top_k_weights)  # a bad input gets its message, not scatter's
         E = self.num_experts
         routed = (top_k_index >= 0) & (top_k_index < E)
         dense = torch.zeros(top_k_index.shape[0], E, dtype=torch.float32, device=top_k_weights.device)
         dense = dense.scatter_add(1, top_k_index.clamp(0, E - 1).to(dense.device),
                                   top_k_weights.float() * routed.to(top_k_weights.device))
-        bias = self.down_proj_bias.to(device=dense.device, dtype=torch.float32)
-        return out + (dense @ bias).to(device=out.device, dtype=out.dtype)
+        shift = dense @ self.down_proj_bias.to(device=dense.device, dtype=torch.float32)
+        out = self._run_routed(hidden_states, top_k_index, top_k_weights, adapter)
+        return out + shift.to(device=out.device, dtype=out.dtype)
 
     def _run_routed(self, hidden_states, top_k_index, top_k_weights, adapter):
         if not self.identity_experts:

@@ -20,6 +20,7 @@ from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.nn import stock_layout
 from kt_sft.peft.layer import KTExpertsLinear
+from test_gradient_checkpointing import engine_forwards, grads
 from test_peft_parity import batch, kt_and_reference
 from tiny_models import CONFIGS, save_checkpoint, tiny_model
 from tolerances import BF16_GRAD, FP32_IO, MERGED_BF16, rel_l2
@@ -259,3 +260,14 @@ def test_kt_sft_merge_refuses_mxfp4_experts(tmp_path):
     with pytest.raises(ValueError, match="stored in MXFP4, which kt-sft merge does not write"):
         merge_adapter(tmp_path / "published", tmp_path / "adapter", tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointing_gives_the_same_grads_with_one_engine_forward_per_layer(use_reentrant, monkeypatch):
+    plain = grads(None, model_type="gpt_oss")
+    calls = engine_forwards(monkeypatch)
+    ckpt = grads({"use_reentrant": use_reentrant}, model_type="gpt_oss")
+    assert len(calls) == 2  # the recompute found each layer's first pass kept
+    assert plain.keys() == ckpt.keys() and any("experts.lora_A" in n for n in plain)
+    for name, g in plain.items():
+        assert rel_l2(ckpt[name], g) <= FP32_IO, name

@@ -114,3 +114,12 @@ def test_bias_shapes_and_unit_are_checked():
         kt_sft.KTExperts(gu, dn, down_proj_bias=torch.zeros(8, 63))
     with pytest.raises(ValueError, match="alpha > 0, limit > 0"):
         kt_sft.KTExperts(gu, dn, unit=(1.0, -1.0, 0.0))
+
+
+def test_bad_inputs_get_the_inputs_message_with_a_down_bias():
+    m = make_module(SHAPES[0], lora=False, gpt_oss=True)
+    x, idx, w, _ = inputs(SHAPES[0])
+    with pytest.raises(ValueError, match="top_k_index is torch.float32; it must hold integer expert ids"):
+        m(x, idx.float(), w)
+    with pytest.raises(ValueError, match=r"must both be \[T=40, K\]"):
+        m(x, idx[:, :1], w)
