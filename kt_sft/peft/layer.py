@@ -45,7 +45,7 @@ from ..nn.experts import KTExperts, LoadsInPlace, engine_tensor
 from ..nn.stock_layout import adapter_state_only
 
 # KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
-WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale")
+WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_scale", "down_scale", "gate_up_proj_bias", "down_proj_bias")
 
 
 class ExpertWeights(LoadsInPlace, nn.Module):
