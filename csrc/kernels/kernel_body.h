@@ -599,7 +599,7 @@ struct Scalar1 {  // the tail's one-lane ops, the same arithmetic as Simd's lane
   static V div(V a, V b) { return a / b; }
   static V exp(V x) { return std::exp(x); }
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
-  static V zero_where_gt(V a, V b, V v) { return a > b ? 0.f : v; }
+  static V zero_where_ge(V a, V b, V v) { return a >= b ? 0.f : v; }
 };
 
 void glu(long n, const float* g, const float* u, float* h, const kt::Glu& f) {
@@ -616,8 +616,8 @@ void glu(long n, const float* g, const float* u, float* h, const kt::Glu& f) {
   }
 }
 
-// With s = sigmoid(alpha·g'): a'(g') = s·(1 + alpha·g'·(1 − s)); dg = dh·(u' + up_offset)·a'(g') where g ≤ limit,
-// du = dh·a(g') where |u| ≤ limit (clamp passes the gradient at the limit itself, as torch's does).
+// With s = sigmoid(alpha·g'): a'(g') = s·(1 + alpha·g'·(1 − s)); dg = dh·(u' + up_offset)·a'(g') where g < limit,
+// du = dh·a(g') where |u| < limit (at the limit itself none passes, as torch's clamp gives).
 template <class S>
 inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V dhv, const kt::Glu& f,
                               typename S::V& dg, typename S::V& du) {
@@ -626,9 +626,9 @@ inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V 
   const VV up = glu_lane<S>(gv, uv, f, gl, s);
   const VV one = S::set1(1.f);
   const VV da = S::mul(s, S::fma(S::mul(S::set1(f.alpha), gl), S::add(one, S::mul(s, S::set1(-1.f))), one));
-  dg = S::zero_where_gt(gv, S::set1(f.limit), S::mul(S::mul(dhv, up), da));
+  dg = S::zero_where_ge(gv, S::set1(f.limit), S::mul(S::mul(dhv, up), da));
   const VV d = S::mul(dhv, S::mul(gl, s));
-  du = S::zero_where_gt(uv, S::set1(f.limit), S::zero_where_gt(S::set1(-f.limit), uv, d));
+  du = S::zero_where_ge(uv, S::set1(f.limit), S::zero_where_ge(S::set1(-f.limit), uv, d));
 }
 
 void glu_backward(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const kt::Glu& f) {

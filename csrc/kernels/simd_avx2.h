@@ -56,7 +56,7 @@ struct Simd {
   // As in simd_avx512.h.
   static V min(V a, V b) { return _mm256_min_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static V zero_where_gt(V a, V b, V v) { return _mm256_and_ps(_mm256_cmp_ps(a, b, _CMP_NGT_UQ), v); }
+  static V zero_where_ge(V a, V b, V v) { return _mm256_and_ps(_mm256_cmp_ps(a, b, _CMP_NGE_UQ), v); }
   static float hsum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -58,8 +58,8 @@ struct Simd {
   // b where either is NaN, as minps does: min(limit, x) passes a NaN x on.
   static V min(V a, V b) { return _mm512_min_ps(a, b); }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  // v where a > b is false (a NaN a keeps v), else 0.
-  static V zero_where_gt(V a, V b, V v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_NGT_UQ), v); }
+  // v where a >= b is false (a NaN keeps v), else 0.
+  static V zero_where_ge(V a, V b, V v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_NGE_UQ), v); }
   static float hsum(V v) { return _mm512_reduce_add_ps(v); }
   // Same range reduction and polynomial as the AVX2 path; scalef applies 2^n.
   static V exp(V x) {

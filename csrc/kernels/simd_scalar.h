@@ -25,6 +25,6 @@ struct Simd {
   // As minps / maxps (simd_avx512.h): b where either is NaN.
   static V min(V a, V b) { return a < b ? a : b; }
   static V max(V a, V b) { return a > b ? a : b; }
-  static V zero_where_gt(V a, V b, V v) { return a > b ? 0.f : v; }
+  static V zero_where_ge(V a, V b, V v) { return a >= b ? 0.f : v; }
 };
 }  // namespace

@@ -251,6 +251,8 @@ def _not_a_pair(key: str) -> str:
         return "an embedding's LoRA"
     if ".lora_B.bias" in key or "lora_bias" in key:
         return "a LoRA bias (lora_bias=True)"
+    if key.endswith("bias") and "modules_to_save" not in key:
+        return "a trained bias (the adapter's bias='all' or 'lora_only')"
     if "modules_to_save" in key or not re.search(r"\.lora_[AB]\.", key):
         return "a whole trained module (modules_to_save, or trainable tokens)"
     return "not a LoRA matrix kt-sft knows"

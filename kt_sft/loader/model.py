@@ -153,6 +153,11 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                                  f"{config.model_type} layout gives; check that config.json belongs to these "
                                  "weights.")
         fused = fused_keys(ckpt, arch, layer, name)
+        if fmt == "mxfp4" and not fused:
+            raise ValueError(f"config.json declares MXFP4 experts (its quantization_config), but the checkpoint has no "
+                             f"{arch.experts_prefix(layer)}gate_up_proj{mxfp4.SUFFIXES[0]}: kt_sft reads MXFP4 "
+                             "experts fused, as GPT-OSS publishes them; check that config.json belongs to these "
+                             "weights.")
         if arch.expert_biases and not fused:
             raise ValueError(f"the checkpoint has no {arch.experts_prefix(layer)}gate_up_proj: kt_sft reads "
                              f"{arch.model_type}'s experts fused with their biases, as they are published; save the "
@@ -253,6 +258,10 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                  H: int, Z: int = 0) -> set[str]:
     if fmt == "mxfp4":
         return _check_mxfp4(ckpt, arch, keys, layer, E, I, H) | _check_biases(ckpt, arch, keys, fmt, E, I, H)
+    if any(k + suffix in ckpt.shard_of for k in keys for suffix in mxfp4.SUFFIXES):
+        raise ValueError(f"the checkpoint stores layer {layer}'s experts in MXFP4 ({keys[0]}{mxfp4.SUFFIXES[0]}), but "
+                         "config.json has no MXFP4 quantization_config, so they would be read as another format; "
+                         "restore the quantization_config the checkpoint was published with.")
     if fmt != "bf16":
         raise ValueError(f"the checkpoint stores layer {layer}'s {fmt.upper()} routed experts fused ({keys[0]}), where "
                          f"kt_sft reads {fmt.upper()} experts one tensor per expert, as they are published; prepare "

@@ -12,6 +12,7 @@ LoRA trains on top of them, and full-parameter training of them is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -147,6 +148,31 @@ def engine_tensor(weight: torch.Tensor) -> torch.Tensor:
     return weight.engine_tensor() if isinstance(weight, ExpertWeight) else weight
 
 
+# The parameters whose memory the engine reads in place (quantized weights are buffers, all read in place too).
+ENGINE_READS = ("gate_up_proj", "down_proj", "gate_up_proj_bias")
+
+
+@contextlib.contextmanager
+def left_out_of_apply(module: nn.Module, params: Sequence[str], children: Sequence[str] = ()):
+    """module's `params`, every buffer of its own and its `children` taken out of its tables while an _apply (a
+    device or dtype move) runs, then put back where they were: the order of parameters is what optimizer states are
+    matched by."""
+    tables = (module._parameters, module._buffers, module._modules)
+    orders = [list(table) for table in tables]
+    taken = ({n: module._parameters.pop(n) for n in params if n in module._parameters},
+             {n: module._buffers.pop(n) for n in list(module._buffers)},
+             {n: module._modules.pop(n) for n in children if n in module._modules})
+    try:
+        yield
+    finally:
+        for table, order, back in zip(tables, orders, taken):
+            table.update(back)
+            ordered = {n: table[n] for n in order if n in table}
+            ordered.update(table)
+            table.clear()
+            table.update(ordered)
+
+
 class LoadsInPlace:
     """Mixed into modules whose own parameters and buffers are expert weights the engine reads in place."""
 
@@ -274,11 +300,15 @@ class KTExperts(LoadsInPlace, nn.Module):
         for name, b, shape in (("gate_up_proj_bias", gate_up_bias, (E, 2 * I)), ("down_proj_bias", down_bias, (E, H))):
             if b is not None and tuple(b.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(b.shape)}; these experts take {list(shape)}.")
-        # The gate/up bias is read in place by the engine, as the weights are (an ExpertWeight: a float32 master
-        # where a trainer upcasts it); the down bias only by PyTorch, so it follows the model's moves.
+            if b is not None and not bool(torch.isfinite(b).all()):
+                raise ValueError(f"{name} holds NaN or Inf, which would make the experts' outputs NaN; the checkpoint "
+                                 "is damaged: download it again.")
+        # The gate/up bias is read in place by the engine, as the weights are (an ExpertWeight, whose storage stays
+        # put), and kept in float32 (E·2I values): an optimizer's small steps reach the forward, where a BF16 copy
+        # rounded from a float32 master would drop those below its resolution. The down bias is read only by
+        # PyTorch, so it follows the model's moves.
         self.gate_up_proj_bias = None if gate_up_bias is None else ExpertWeight(
-            to_engine(gate_up_bias, torch.bfloat16 if gate_up_bias.dtype == torch.bfloat16 else torch.float32),
-            requires_grad=train_base)
+            to_engine(gate_up_bias, torch.float32), requires_grad=train_base)
         self.down_proj_bias = None if down_bias is None else nn.Parameter(down_bias.detach(), requires_grad=train_base)
 
     # Both run on every forward (_weights_read on every backward too); until some expert weight in the process
@@ -811,16 +841,10 @@ class KTExperts(LoadsInPlace, nn.Module):
     def _apply(self, fn, recurse=True):
         # Expert weights (parameters or quantized buffers) live in CPU RAM for good: device and dtype moves skip
         # them. So do their LoRA's values, which only move to where lora_home says (never a dtype cast).
-        kept = {n: self._parameters.pop(n) for n in ("gate_up_proj", "down_proj", "gate_up_proj_bias")
-                if n in self._parameters}
-        kept_buffers, self._buffers = self._buffers, {}
-        kept_a, kept_b = self._modules.pop("lora_A"), self._modules.pop("lora_B")
         try:
-            return super()._apply(fn, recurse)
+            with left_out_of_apply(self, ENGINE_READS, ("lora_A", "lora_B")):
+                return super()._apply(fn, recurse)
         finally:
-            self._parameters.update(kept)
-            self._buffers = kept_buffers
-            self._modules["lora_A"], self._modules["lora_B"] = kept_a, kept_b
             try:
                 self._model_device = fn(torch.empty(0, device=self._model_device)).device  # a dtype cast keeps it
             except (RuntimeError, TypeError):  # an fn for other tensors than this probe (pin_memory of a GPU one)

@@ -41,7 +41,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge, ch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..nn.experts import KTExperts, LoadsInPlace, engine_tensor
+from ..nn.experts import ENGINE_READS, KTExperts, LoadsInPlace, engine_tensor, left_out_of_apply
 from ..nn.stock_layout import adapter_state_only
 
 # KTExperts' expert weights: BF16 parameters, or FP8/INT4 buffers with their scales.
@@ -55,6 +55,11 @@ class ExpertWeights(LoadsInPlace, nn.Module):
     def weight(self) -> torch.Tensor:
         # PEFT reads a base layer's `weight` for its device when it unloads the adapters.
         return self.gate_up_proj
+
+    def _apply(self, fn, recurse=True):
+        # What the engine reads stays in CPU RAM for good (KTExperts._apply); a down bias follows the model's moves.
+        with left_out_of_apply(self, ENGINE_READS):
+            return super()._apply(fn, recurse)
 
 
 def _refuse_fused_targets(target_parameters) -> None:
@@ -215,15 +220,6 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         # or FP8 here; the expert LoRA stays float32 where add_lora puts it (KTExperts.lora_home).
         pass
 
-    def _apply(self, fn, recurse=True):
-        # The expert weights stay in CPU RAM for good (KTExperts._apply), also once they sit in base_layer.
-        base = self._modules.pop("base_layer", None)
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            if base is not None:
-                self._modules["base_layer"] = base
-
     def unload_and_optionally_merge_module(self, merge: bool, safe_merge: bool, adapter_names) -> KTExpertsLinear:
         """PEFT's merge_and_unload / unload for these experts: experts without adapters over the same weights (no
         copy), the adapters merged into them first when asked. Of this class, as the model's experts were before
@@ -231,19 +227,17 @@ class KTExpertsLinear(KTExperts, LoraLayer):
         adapters, then loads the last)."""
         if merge:
             self.merge(safe_merge=safe_merge, adapter_names=adapter_names)
-        gate_up_bias, down_bias = self.gate_up_proj_bias, self.down_proj_bias
+        # The biases as they are (the gate/up bias float32, so no master): the new experts hold the same tensors.
         same = dict(check_finite=self.check_finite, identity_experts=self.identity_experts,
-                    stock_layout=self.stock_layout, down_proj_bias=down_bias, unit=self.unit,
-                    gate_up_proj_bias=None if gate_up_bias is None else engine_tensor(gate_up_bias))
+                    stock_layout=self.stock_layout, gate_up_proj_bias=self.gate_up_proj_bias,
+                    down_proj_bias=self.down_proj_bias, unit=self.unit)
         if self.expert_format == "bf16":
             gate_up, down = self.gate_up_proj, self.down_proj
             experts = KTExpertsLinear(engine_tensor(gate_up), engine_tensor(down), train_base=gate_up.requires_grad,
                                       **same)
-            pairs = ((experts.gate_up_proj, gate_up), (experts.down_proj, down),
-                     (experts.gate_up_proj_bias, gate_up_bias))
-            for new, old in pairs:
-                if old is not None and old.dtype == torch.float32 and new.dtype == torch.bfloat16:
-                    new.data = old.data  # a float32 master: the same one, over the same BF16 weights
+            for new, old in ((experts.gate_up_proj, gate_up), (experts.down_proj, down)):
+                if old.dtype == torch.float32:  # a float32 master: the same one, over the same BF16 weights
+                    new.data = old.data
         else:
             experts = KTExpertsLinear(self.quantized_weights(), **same)
         guard = self.__dict__.get("base_guard")  # the loader's refusal of training base weights beside these experts

@@ -2,6 +2,7 @@
 outputs interleaved. Full fine-tuning (the biases' grads too) against stock transformers; saves in the stock layout
 that stock transformers loads; adapter saves that leave the expert weights as they are."""
 import copy
+import json
 
 import peft
 import pytest
@@ -14,6 +15,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from kt_sft.formats import QuantizedExperts, mxfp4
 from kt_sft.cli import run
+from kt_sft.integrations.export import export_adapter
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.integrations.prepare import prepare
 from kt_sft.loader.checkpoint import Checkpoint
@@ -272,3 +274,40 @@ def test_checkpointing_gives_the_same_grads_with_one_engine_forward_per_layer(us
     assert plain.keys() == ckpt.keys() and any("experts.lora_A" in n for n in plain)
     for name, g in plain.items():
         assert rel_l2(ckpt[name], g) <= FP32_IO, name
+
+
+def test_the_down_bias_follows_the_model_under_an_adapter():
+    # The first adapter moves the expert weights and biases into the experts' base layer: the down bias, which only
+    # PyTorch reads, must still follow the model's moves there (the engine's tensors stay in CPU RAM).
+    kt, _ = kt_and_reference("gpt_oss")
+    kt.to(torch.float64)
+    for module in (m for m in kt.modules() if isinstance(m, KTExpertsLinear)):
+        assert module.down_proj_bias.dtype == torch.float64
+        assert module.gate_up_proj.dtype == torch.bfloat16 and module.gate_up_proj_bias.dtype == torch.float32
+
+
+def test_what_cannot_be_done_with_gpt_oss_is_named(tmp_path):
+    # kt-sft export: no runtime has per-expert GPT-OSS modules; kt-sft merge: an adapter's trained biases; the loader:
+    # MXFP4 experts without the quantization_config that says so.
+    save_checkpoint(tiny_model("gpt_oss"), tmp_path / "model")
+    model = tiny_model("gpt_oss")
+    use_cpu_experts(model)
+    model.requires_grad_(False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["experts"], bias="all")
+    peft.get_peft_model(model, lora).save_pretrained(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="exist only fused .* no runtime has the per-expert modules"):
+        export_adapter(tmp_path / "adapter", tmp_path / "exported", tmp_path / "model")
+    with pytest.raises(ValueError, match=r"down_proj_bias, a trained bias \(the adapter's bias='all'"):
+        merge_adapter(tmp_path / "model", tmp_path / "adapter", tmp_path / "merged")
+    mxfp4_checkpoint(tmp_path / "published")
+    config = json.loads((tmp_path / "published" / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "published" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="experts in MXFP4 .* config.json has no MXFP4 quantization_config"):
+        prepare(tmp_path / "published", tmp_path / "prepared")
+    save_checkpoint(tiny_model("qwen3_moe"), tmp_path / "per_expert")  # an MXFP4 config over per-expert weights
+    config = json.loads((tmp_path / "per_expert" / "config.json").read_text())
+    (tmp_path / "per_expert" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="declares MXFP4 experts .* reads MXFP4 experts fused"):
+        prepare(tmp_path / "per_expert", tmp_path / "prepared")

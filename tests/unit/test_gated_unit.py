@@ -123,3 +123,53 @@ def test_bad_inputs_get_the_inputs_message_with_a_down_bias():
         m(x, idx.float(), w)
     with pytest.raises(ValueError, match=r"must both be \[T=40, K\]"):
         m(x, idx[:, :1], w)
+
+
+def test_the_clamps_pass_no_gradient_at_the_limit_itself(kernels):
+    # As torch's clamp: g = 7 or u = ±7 exactly (tokens of zeros, so that g and u are the bias) get no gradient
+    # through the clamped side, and the reference agrees element for element.
+    shape = Shape("ties", T=6, H=32, I=16, E=2, K=1, routing="one")
+    m = make_module(shape, lora=False, train_base=True, gpt_oss=True)
+    with torch.no_grad():
+        m.gate_up_proj_bias[0, :4] = 7.0
+        m.gate_up_proj_bias[0, 16:18] = 7.0
+        m.gate_up_proj_bias[0, 18:20] = -7.0
+    x, idx, w, g = inputs(shape)
+    x[:3] = 0
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    full_mode_check(got, ref, shape, FP32_IO)
+
+
+def test_non_finite_biases_are_refused():
+    m = make_module(SHAPES[0], lora=False, gpt_oss=True)
+    gu, dn = m.base_weights()
+    bias = torch.zeros(8, 96)
+    bias[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="gate_up_proj_bias holds NaN or Inf"):
+        kt_sft.KTExperts(gu, dn, gate_up_proj_bias=bias)
+
+
+def test_a_trained_gate_up_bias_reaches_the_forward_unrounded():
+    # A trainer's upcast of trainable parameters (p.data = p.data.float()) leaves the float32 bias the engine
+    # reads in place, so an optimizer step far below BF16's resolution changes the next forward.
+    shape = SHAPES[0]
+    m = make_module(shape, lora=False, train_base=True, gpt_oss=True)
+    for p in m.parameters():
+        p.data = p.data.float()
+    x, idx, w, _ = inputs(shape)
+    with torch.no_grad():
+        before = m(x, idx, w)
+        m.gate_up_proj_bias.add_(1e-4)
+        after = m(x, idx, w)
+    assert m.gate_up_proj_bias.dtype == torch.float32
+    assert not torch.equal(before, after)
+    assert rel_l2(after, run_reference(m, x, idx, w, torch.zeros_like(x))["y"]) <= FP32_IO
+
+
+def test_moves_keep_the_order_of_parameters():
+    # Optimizer states are matched to parameters by position: a device or dtype move must not reorder them.
+    m = make_module(SHAPES[0], lora=True, train_base=True, gpt_oss=True)
+    names = [n for n, _ in m.named_parameters()]
+    m.to(torch.float64)
+    assert [n for n, _ in m.named_parameters()] == names
+    assert m.down_proj_bias.dtype == torch.float64 and m.gate_up_proj_bias.dtype == torch.float32
