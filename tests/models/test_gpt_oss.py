@@ -124,27 +124,6 @@ def test_quantized_experts_keep_their_biases_and_unit(expert_format):
         assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
 
 
-def test_kt_sft_merge_puts_each_update_into_the_interleaved_rows(tmp_path):
-    # GPT-OSS's gate_up_proj holds gate's and up's outputs alternating (and transposed): each expert's gate and up
-    # updates go into their own rows, the biases stay, and stock transformers loads the result with the adapter's
-    # logits.
-    save_checkpoint(tiny_model("gpt_oss"), tmp_path / "model")
-    model = tiny_model("gpt_oss")
-    use_cpu_experts(model)
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "experts"], init_lora_weights=False)
-    peft_model = peft.get_peft_model(model.requires_grad_(False), lora)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    assert run(["merge", str(tmp_path / "model"), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
-    before, after = Checkpoint(tmp_path / "model"), Checkpoint(tmp_path / "merged")
-    changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
-    assert {k for k in changed if ".experts." in k} == {f"model.layers.{n}.mlp.experts.{p}" for n in (0, 1)
-                                                        for p in ("gate_up_proj", "down_proj")}
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    ids = batch(6)["input_ids"]
-    with torch.no_grad():
-        assert rel_l2(merged(ids).logits, peft_model(ids).logits) <= FP32_IO
-
-
 def stock_with_the_experts_of(stock, kt):
     """stock with each MoE layer's experts set to what kt's engine computes with (dequantized FP8/INT4)."""
     for name, module in kt.named_modules():

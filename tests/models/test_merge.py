@@ -25,7 +25,8 @@ from quantized_checkpoints import kimi_k25_checkpoint
 from test_export_adapter import trained_adapter
 from test_quantized_models import IDS, LORA_TARGETS, load, published  # noqa: F401 (published: the fixture)
 from test_llama4 import batch as llama4_batch
-from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
+from tiny_models import (auto_class, image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint,
+                         tiny_model)
 from tolerances import FP32_IO, rel_l2
 
 
@@ -68,15 +69,18 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
 
 # Each writes the tiny model's weights as published.
 PUBLISHED = {"qwen3_vl_moe": qwen3_vl_moe_published, "qwen3_5_moe": qwen3_5_moe_published,
-             "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path)}
-EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}"}
+             "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path),
+             "gpt_oss": lambda path: save_checkpoint(tiny_model("gpt_oss"), path)}
+EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}",
+           "gpt_oss": "model.layers.{n}.mlp.experts.{p}"}
+BATCHES = {"llama4": lambda: llama4_batch(3), "gpt_oss": lambda: {"input_ids": IDS}}
 
 
 @pytest.mark.parametrize("model_type", sorted(PUBLISHED))
-def test_image_text_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
+def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
     # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed, Llama 4
-    # fused and transposed as its module holds them: each expert's update goes into its slice, in the checkpoint's
-    # layout, and stock transformers loads the result.
+    # fused and transposed as its module holds them, GPT-OSS (a text model) too, gate's and up's rows alternating:
+    # each expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
     PUBLISHED[model_type](tmp_path / "model")
     model = tiny_model(model_type)  # the published weights
     use_cpu_experts(model)
@@ -91,8 +95,8 @@ def test_image_text_checkpoint_merged_gives_the_unmerged_logits_with_its_experts
     experts = EXPERTS.get(model_type, "model.language_model.layers.{n}.mlp.experts.{p}")
     assert {k for k in changed if ".experts." in k} == {experts.format(n=n, p=p)
                                                         for n in (0, 1) for p in ("gate_up_proj", "down_proj")}
-    merged = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
-    batch = llama4_batch(3) if model_type == "llama4" else image_batch(0)
+    merged = auto_class(model_type).from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    batch = BATCHES.get(model_type, lambda: image_batch(0))()
     batch = {k: v for k, v in batch.items() if k != "labels"}
     with torch.no_grad():
         assert rel_l2(merged(**batch).logits, peft_model(**batch).logits) <= FP32_IO
