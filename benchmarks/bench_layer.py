@@ -13,6 +13,7 @@ memory read bandwidth, and peak RSS against the weight bytes.
   python benchmarks/bench_layer.py --shape Q --phases   # also ours' time per engine phase (forward.gate_up, ...)
   python benchmarks/bench_layer.py --shape Q --T 2048 --rounds 3   # every step timed in turn, three times over
   python benchmarks/bench_layer.py --shape DS --T 4096 --formats bf16,bf16+copy   # with KT_SFT_BACKWARD_COPY=1 too
+  python benchmarks/bench_layer.py --shape GO --formats bf16,int4   # gpt-oss-120b's layer: biases, clamped unit
 
 With --rounds N, ours, the peer and the PyTorch loop (every format) are timed one after another N times, and each
 ratio is printed per round and as the median over rounds besides the ratio of the medians: a slow spell of a shared
@@ -47,12 +48,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
 from kt_sft.formats import QuantizedExperts  # noqa: E402
 from kt_sft.ops import timing  # noqa: E402
-from kt_sft.ops.reference import LoraWeights, moe_experts_reference  # noqa: E402
+from kt_sft.ops.reference import GPT_OSS_GLU, SWIGLU, LoraWeights, moe_experts_reference  # noqa: E402
 
 SHAPES = {
     "S": dict(H=1024, I=512, E=16, K=4, T=256, r=8),
     "Q": dict(H=2048, I=768, E=128, K=8, T=2048, r=16),
     "DS": dict(H=7168, I=2048, E=256, K=8, T=512, r=16),
+    # gpt-oss-120b's layer: its experts' biases and clamped unit (layer_extras) on ours and on the PyTorch loop
+    "GO": dict(H=2880, I=2880, E=128, K=4, T=2048, r=16),
 }
 
 
@@ -153,9 +156,19 @@ def quantized(fmt, gu, dn):
     return None if fmt.startswith("bf16") else QuantizedExperts.quantize(fmt, gu, dn)
 
 
-def experts_module(gu, dn, q) -> kt_sft.KTExperts:
-    """Our experts module: the BF16 layer, or its quantized form q (from quantized())."""
-    return kt_sft.KTExperts(gu, dn) if q is None else kt_sft.KTExperts(q)
+def layer_extras(shape: str, E: int, H: int, I: int) -> dict:
+    """What a shape's experts have beside their weights, as KTExperts takes it: GPT-OSS's biases and unit."""
+    if shape != "GO":
+        return {}
+    g = torch.Generator().manual_seed(5)
+    return dict(gate_up_proj_bias=torch.randn(E, 2 * I, generator=g), down_proj_bias=torch.randn(E, H, generator=g),
+                unit=GPT_OSS_GLU)
+
+
+def experts_module(gu, dn, q, extras=None) -> kt_sft.KTExperts:
+    """Our experts module: the BF16 layer, or its quantized form q (from quantized()), with `extras`
+    (layer_extras)."""
+    return kt_sft.KTExperts(gu, dn, **(extras or {})) if q is None else kt_sft.KTExperts(q, **(extras or {}))
 
 
 def expert_bytes(fmt, gu, dn, q) -> int:
@@ -220,7 +233,7 @@ def ours_extras(m, step, x, idx, w, reps, phases=False):
     return res
 
 
-def torch_step(gu, dn, x, idx, w, r):
+def torch_step(gu, dn, x, idx, w, r, extras=None):
     """The PyTorch BF16 per-expert loop's training step: (fwd, bwd, drop_grads)."""
     E, H, I = dn.shape[0], dn.shape[1], dn.shape[2]
     g = torch.Generator().manual_seed(2)
@@ -231,13 +244,16 @@ def torch_step(gu, dn, x, idx, w, r):
     B = {p: [(torch.randn(d, r, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
          for p, d in (("gate", I), ("up", I), ("down", H))}
     lora = LoraWeights(A, B, 2.0)
+    extras = extras or {}
+    biases = [None if extras.get(k) is None else extras[k].bfloat16() for k in ("gate_up_proj_bias", "down_proj_bias")]
+    unit = extras.get("unit", SWIGLU)
     xg = x.clone().requires_grad_()
     wg = w.bfloat16().requires_grad_()
     gout = torch.randn_like(x)
     state = {}
 
     def fwd():
-        state["y"] = moe_experts_reference(xg, idx, wg, gu, dn, lora)
+        state["y"] = moe_experts_reference(xg, idx, wg, gu, dn, lora, 0, *biases, unit)
 
     def drop_grads():
         for t in [xg, wg, *(t for table in (A, B) for ts in table.values() for t in ts)]:
@@ -333,14 +349,17 @@ def measure_rounds(steps: dict, reps: int, rounds: int) -> dict:
     return out
 
 
-def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res, phases=False):
+def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res, phases=False, extras=None):
     """Ours, the peer and the PyTorch loop: training steps in rounds, then ours' inference, decode and RSS per
-    format."""
+    format. extras: layer_extras (the peer computes no GPT-OSS unit, and the RSS probe builds plain experts: both
+    are left out with them)."""
+    if extras:
+        skip = skip | {"peer", "rss"}
     E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
     modules, steps = {}, {}
     for fmt in formats:
         q = quantized(fmt, gu, dn)
-        modules[fmt] = (experts_module(gu, dn, q), q)
+        modules[fmt] = (experts_module(gu, dn, q, extras), q)
         steps[f"ours {fmt}"] = ours_step(modules[fmt][0], x, idx, w, r)
         if fmt == "bf16+copy":
             steps[f"ours {fmt}"] = with_backward_copy(steps[f"ours {fmt}"])
@@ -352,7 +371,7 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
             if step:
                 steps[f"peer {fmt}"] = step
     if "torch" not in skip:
-        steps["torch bf16"] = torch_step(gu, dn, x, idx, w, r)
+        steps["torch bf16"] = torch_step(gu, dn, x, idx, w, r, extras)
     res["rounds"] = measure_rounds(steps, reps, rounds)
     for name, per_round in res["rounds"].items():
         times = dict(fwd=statistics.median(t[0] for t in per_round), bwd=statistics.median(t[1] for t in per_round))
@@ -364,7 +383,7 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
     for fmt, (m, q) in modules.items():
         res["ours"][fmt].update(ours_extras(m, steps[f"ours {fmt}"], x, idx, w, reps, phases))
         if "decode" not in skip and fmt != "bf16+copy":  # inference reads no copy
-            md = experts_module(gu, dn, q)
+            md = experts_module(gu, dn, q, extras)
             md.add_lora(r, 2 * r)
             ms = decode_ms(md, H, E, K, max(reps, 20))
             res["decode"][fmt] = dict(ms=ms, gbps=expert_bytes(fmt, gu, dn, q) * K / E / ms / 1e6)
@@ -402,7 +421,8 @@ def main():
     flop = 6 * T * K * H * I  # one pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products
     gu, dn = make_layer(E, H, I, r)
     x, idx, w = make_inputs(T, H, E, K)
-    run_formats(formats, gu, dn, x, idx, w, r, reps, args.rounds, threads, skip, res, args.phases)
+    run_formats(formats, gu, dn, x, idx, w, r, reps, args.rounds, threads, skip, res, args.phases,
+                layer_extras(args.shape, E, H, I))
     if "peak" not in skip:
         res["peak_gflops"] = measured_peak_gflops(threads)
         res["read_gbps"] = measured_read_gbps(threads)
