@@ -576,7 +576,7 @@ void gemm_nn(const GemmNN<TB>& g) {
     gemm_nn_impl<false>(g);
 }
 
-// The gated unit h = a(g)·(u' + up_offset) with g' = min(g, limit), u' = clamp(u, −limit, limit) and
+// The gated unit h = a(g')·(u' + up_offset) with g' = min(g, limit), u' = clamp(u, −limit, limit) and
 // a(g') = g'·sigmoid(alpha·g'): SwiGLU (silu) at the defaults, GPT-OSS's clamped form with its alpha, limit and +1.
 // Written for lanes and for the tail alike; the clamps keep a NaN input (minps passes its second operand on).
 template <class S>

@@ -213,9 +213,10 @@ class KTExperts(LoadsInPlace, nn.Module):
         E + identity_experts - 1 return the token itself, times its routing weight, computed here in PyTorch.
         stock_layout: state dicts carry the weights as the stock module holds them where that differs from the
         engine's layout (nn/stock_layout.py: Llama 4's and GPT-OSS's transposed, GPT-OSS's gate and up
-        interleaved), so that a save loads in stock transformers and a stock save loads here. gate_up_proj_bias [E, 2I] (gate's first; the engine adds it,
-        reading it in place), down_proj_bias [E, H] (added here, on the caller's device) and unit (the gated
-        unit's constants): GPT-OSS's experts. The biases train with the weights (train_base)."""
+        interleaved), so that a save loads in stock transformers and a stock save loads here.
+        gate_up_proj_bias [E, 2I] (gate's first; the engine adds it, reading it in place), down_proj_bias [E, H]
+        (added here, on the caller's device) and unit (the gated unit's constants): GPT-OSS's experts. The biases
+        train with the weights (train_base)."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
         if isinstance(gate_up_proj, QuantizedExperts):

@@ -189,7 +189,8 @@ def mxfp4_checkpoint(path):
     torch.manual_seed(0)
     stock = transformers.AutoModelForCausalLM.from_config(config)
     g = torch.Generator().manual_seed(9)
-    state = {k: v for k, v in stock.state_dict().items() if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    fused = ("experts.gate_up_proj", "experts.down_proj")
+    state = {k: v for k, v in stock.state_dict().items() if not k.endswith(fused)}
     state = {k: torch.randn(v.shape, generator=g) if ".experts." in k else v for k, v in state.items()}
     for n in range(config.num_hidden_layers):
         for proj, rows, cols in (("gate_up_proj", 128, 64), ("down_proj", 64, 64)):
