@@ -18,7 +18,6 @@ from kt_sft.cli import run
 from kt_sft.integrations.export import export_adapter
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.integrations.prepare import prepare
-from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.models import architecture_of, use_cpu_experts
 from kt_sft.nn import stock_layout
 from kt_sft.peft.layer import KTExpertsLinear
