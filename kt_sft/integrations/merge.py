@@ -32,9 +32,9 @@ from typing import Callable
 
 import torch
 
-from ..formats import fp8_block, int4_group, mxfp4
+from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
-from ..loader.model import fused_keys, fused_transposed
+from ..loader.model import fused_keys, fused_transposed, stored_in_mxfp4
 from ..loader.quantization import read_weight, weight_keys
 from ..models import architecture_of, canonical_model_type, composite_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
@@ -178,7 +178,7 @@ def fused_experts(ckpt: Checkpoint, arch, model: dict, prefix: str,
     keys = fused_keys(ckpt, arch, layer, arch.experts_prefix(layer).removesuffix("."), prefix)
     if keys is None:
         return None
-    if keys[0] + mxfp4.SUFFIXES[0] in ckpt.shard_of:
+    if stored_in_mxfp4(ckpt, keys):
         raise ValueError(f"{keys[0]} is stored in MXFP4, which kt-sft merge does not write; serve the adapter "
                          "unmerged, or write a merged BF16 model (llamafactory-cli export, or merge_and_unload and "
                          "save_pretrained on the trained model).")

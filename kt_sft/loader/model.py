@@ -258,7 +258,7 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                  H: int, Z: int = 0) -> set[str]:
     if fmt == "mxfp4":
         return _check_mxfp4(ckpt, arch, keys, layer, E, I, H) | _check_biases(ckpt, arch, keys, fmt, E, I, H)
-    if any(k + suffix in ckpt.shard_of for k in keys for suffix in mxfp4.SUFFIXES):
+    if stored_in_mxfp4(ckpt, keys):
         raise ValueError(f"the checkpoint stores layer {layer}'s experts in MXFP4 ({keys[0]}{mxfp4.SUFFIXES[0]}), but "
                          "config.json has no MXFP4 quantization_config, so they would be read as another format; "
                          "restore the quantization_config the checkpoint was published with.")
@@ -281,6 +281,11 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
                          f"intermediate]{', or transposed' if len(shapes) > 1 else ''}); check that config.json "
                          "belongs to these weights.")
     return {*keys, *_check_biases(ckpt, arch, keys, fmt, E, I, H)}
+
+
+def stored_in_mxfp4(ckpt: Checkpoint, fused: tuple[str, str]) -> bool:
+    """Whether a layer's fused experts (fused_keys) are stored as MXFP4 blocks and scales."""
+    return any(k + suffix in ckpt.shard_of for k in fused for suffix in mxfp4.SUFFIXES)
 
 
 def _check_mxfp4(ckpt: Checkpoint, arch, keys: tuple[str, str], layer: int, E: int, I: int, H: int) -> set[str]:
