@@ -231,10 +231,10 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
         raise ValueError(f"{source_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
     arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model.get("model_type"))))
-    if arch.gate_up_interleaved:
-        raise ValueError(f"{arch.model_type}'s experts exist only fused (gate and up interleaved) in its checkpoints "
-                         "and runtimes, so no runtime has the per-expert modules this export would name; serve the "
-                         "adapter with kt_sft, or merge it into a BF16 model (merge_and_unload and save_pretrained).")
+    if arch.gate_up_interleaved or arch.restructure is not None:  # GPT-OSS; Granite's input_linear, output_linear
+        raise ValueError(f"{arch.model_type}'s experts exist only fused in its checkpoints and runtimes, so no runtime "
+                         "has the per-expert modules this export would name; serve the adapter with kt_sft, or merge "
+                         "it into a BF16 model (`kt-sft merge`, or merge_and_unload and save_pretrained).")
     targets = config.get("target_modules")
     if not isinstance(targets, (list, str)):
         raise ValueError(f"adapter_config.json's target_modules is {targets!r}; PEFT saves a list of module names or "

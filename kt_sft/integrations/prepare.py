@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from .._ext import KERNEL_SETS, _thread_count
 from ..formats import EXPERT_FORMATS
@@ -79,7 +79,9 @@ def checked_source(source: Path) -> tuple[dict, str, str, str, tuple[str, ...]]:
     raw.pop("auto_map", None)
     _rotary_dim_as_a_factor(raw)
     try:
-        config = AutoConfig.for_model(**raw) if raw["model_type"] in CONFIG_MAPPING else None
+        # Values JSON has no number for (Granite 4.0-H's time_step_limit (0, inf)), as transformers saved them.
+        decoded = PreTrainedConfig._decode_special_floats(raw)
+        config = AutoConfig.for_model(**decoded) if raw["model_type"] in CONFIG_MAPPING else None
     except Exception as e:  # transformers' field checks (a string where a number goes, ...) raise several types
         raise ValueError(f"{source}/config.json is not a valid {raw['model_type']} configuration "
                          f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None

@@ -118,6 +118,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
     try:
         with init_empty_weights():
             skeleton = model_class(config).from_config(config)
+        arch.experts_in_place(skeleton)
     except (RuntimeError, ValueError, ArithmeticError, TypeError) as e:  # a size no layer can have (vocab_size
         raise ValueError(f"config.json describes no buildable {config.model_type} model "  # -1, 0 heads, ...)
                          f"({' '.join(str(e).split())}); the file was edited or is not that model's.") from None
@@ -229,9 +230,10 @@ def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = ""
     names with `_blocks` and `_scales` appended), or None where they are stored per expert. prefix: the text model's
     key prefix, where ckpt reads a composite checkpoint's keys whole (kt-sft merge)."""
     for base in experts_key_prefixes(arch, layer, module):
-        keys = (f"{prefix}{base}gate_up_proj", f"{prefix}{base}down_proj")
-        if any(k + suffix in ckpt.shard_of for k in keys for suffix in ("", *mxfp4.SUFFIXES)):
-            return keys
+        names = (f"{prefix}{base}gate_up_proj", f"{prefix}{base}down_proj")
+        for keys in dict.fromkeys((names, tuple(map(arch.checkpoint_name, names)))):  # Granite's input_linear, ...
+            if any(k + suffix in ckpt.shard_of for k in keys for suffix in ("", *mxfp4.SUFFIXES)):
+                return keys
     return None
 
 
@@ -347,8 +349,14 @@ def other_weight_keys(ckpt: Checkpoint, model, arch, experts) -> list[str]:
     `mtp.*`)."""
     prefixes = tuple(p for name, layer, _ in experts for p in experts_key_prefixes(arch, layer, name))
     skipped = class_skips(model, arch)
-    return [k for k in ckpt.keys() if not (k.startswith(prefixes) or k.endswith(COMPANION_SUFFIXES)
+    return [k for k in ckpt.keys() if not (in_experts(arch, k, prefixes) or k.endswith(COMPANION_SUFFIXES)
                                            or prediction_layer(k, text_config_of(model.config)) or skipped(k))]
+
+
+def in_experts(arch, key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether a checkpoint key (or a state dict's) is of the routed experts whose keys start with prefixes
+    (experts_key_prefixes), under its own name or the module tree's (Granite's input_linear: experts.gate_up_proj)."""
+    return key.startswith(prefixes) or arch.module_key(key).startswith(prefixes)
 
 
 def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
@@ -375,10 +383,10 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
                          "mlp_layer_types).")
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})
     tied.update({source: target for target, source in tied.items()})  # either side of a tie may be stored
-    in_experts = tuple(f"{name}." for name, _, _ in experts)
+    experts_prefixes = tuple(f"{name}." for name, _, _ in experts)
     # The state dict's names: parameters, and the buffers a checkpoint holds (DeepSeek-V3's routing bias, which the
     # load would otherwise leave at its initial zeros).
-    missing = [n for n in skeleton.state_dict() if not n.startswith(in_experts) and n not in found
+    missing = [n for n in skeleton.state_dict() if not in_experts(arch, n, experts_prefixes) and n not in found
                and tied.get(n) not in found]
     if missing:
         raise ValueError(f"the checkpoint lacks {_first_of(missing)}, which the {config.model_type} model that "
@@ -570,6 +578,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     check_checkpoint(ckpt, config, fmt)
     with init_empty_weights(include_buffers=False):
         model = model_class(config).from_config(config, dtype=dtype)
+    arch.experts_in_place(model)
     experts = experts_modules(model, arch)
 
     # Each tensor takes the dtype its parameter or buffer has in the model, or float32 where from_pretrained keeps

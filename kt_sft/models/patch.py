@@ -107,6 +107,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
     require_settings()
     config = getattr(model, "config", None)
     arch = architecture_of(config)
+    arch.experts_in_place(model)
     replaced = []
     for name, module in list(model.named_modules()):
         if not arch.holds_experts(module):

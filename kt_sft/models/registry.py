@@ -51,6 +51,14 @@ class MoEArchitecture:
     expert_biases: bool = False
     # The experts' gated unit (ops/reference.py Glu): SwiGLU, or GPT-OSS's clamped form.
     unit: Glu = SWIGLU
+    # Gives a stock model's MoE blocks an experts module of transformers 5's form (experts_classes), where they hold
+    # their experts otherwise (Granite's input_linear and output_linear beside the router); None: they hold one.
+    restructure: Callable | None = None
+
+    def experts_in_place(self, model) -> None:
+        """Makes a stock model of this architecture hold its experts as experts_classes modules (restructure)."""
+        if self.restructure is not None:
+            self.restructure(model)
 
     def stock_layout(self) -> StockLayout:
         """How the stock module holds its fused weights against the engine's layout (nn/stock_layout.py)."""

@@ -40,8 +40,9 @@ def test_full_mode_gradients_match_stock_model():
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
 # Mixtral saves experts as block_sparse_moe w1/w3/w2 (Phi-3.5-MoE too, its router as block_sparse_moe.gate);
 # Qwen3-VL-MoE under model.language_model.
+# Granite's experts are saved as input_linear and output_linear.
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe", "qwen3_vl_moe", "longcat_flash", "llama4",
-                                        "gpt_oss"])
+                                        "gpt_oss", "granitemoe"])
 def test_full_fine_tune_resumes_with_its_trained_experts(model_type, sharded, tmp_path):
     # The Trainer resumes with load_state_dict(strict=False) of what save_pretrained wrote (experts per expert), of
     # each file in turn when the save was sharded (a real MoE's is: 50 GB files), where a layer's experts span

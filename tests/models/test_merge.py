@@ -70,17 +70,23 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
 # Each writes the tiny model's weights as published.
 PUBLISHED = {"qwen3_vl_moe": qwen3_vl_moe_published, "qwen3_5_moe": qwen3_5_moe_published,
              "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path),
-             "gpt_oss": lambda path: save_checkpoint(tiny_model("gpt_oss"), path)}
+             "gpt_oss": lambda path: save_checkpoint(tiny_model("gpt_oss"), path),
+             "granitemoehybrid": lambda path: save_checkpoint(tiny_model("granitemoehybrid"), path)}
 EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}",
-           "gpt_oss": "model.layers.{n}.mlp.experts.{p}"}
-BATCHES = {"llama4": lambda: llama4_batch(3), "gpt_oss": lambda: {"input_ids": IDS}}
+           "gpt_oss": "model.layers.{n}.mlp.experts.{p}",
+           "granitemoehybrid": "model.layers.{n}.block_sparse_moe.{p}"}
+# The fused tensors' names, where they are not gate_up_proj and down_proj.
+FUSED_NAMES = {"granitemoehybrid": ("input_linear.weight", "output_linear.weight")}
+BATCHES = {"llama4": lambda: llama4_batch(3), "gpt_oss": lambda: {"input_ids": IDS},
+           "granitemoehybrid": lambda: {"input_ids": IDS}}
 
 
 @pytest.mark.parametrize("model_type", sorted(PUBLISHED))
 def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
     # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed, Llama 4
-    # fused and transposed as its module holds them, GPT-OSS (a text model) too, gate's and up's rows alternating:
-    # each expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
+    # fused and transposed as its module holds them, GPT-OSS (a text model) too, gate's and up's rows alternating,
+    # Granite as input_linear and output_linear beside the router: each expert's update goes into its slice, in the
+    # checkpoint's layout, and stock transformers loads the result.
     PUBLISHED[model_type](tmp_path / "model")
     model = tiny_model(model_type)  # the published weights
     use_cpu_experts(model)
@@ -93,8 +99,10 @@ def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_stil
     assert all(before.shape(k) == after.shape(k) for k in before.keys())
     changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
     experts = EXPERTS.get(model_type, "model.language_model.layers.{n}.mlp.experts.{p}")
-    assert {k for k in changed if ".experts." in k} == {experts.format(n=n, p=p)
-                                                        for n in (0, 1) for p in ("gate_up_proj", "down_proj")}
+    assert {k for k in changed if "o_proj" not in k} == {experts.format(n=n, p=p)
+                                                         for n in (0, 1)
+                                                         for p in FUSED_NAMES.get(model_type, ("gate_up_proj",
+                                                                                               "down_proj"))}
     merged = auto_class(model_type).from_pretrained(tmp_path / "merged", dtype=torch.float32)
     batch = BATCHES.get(model_type, lambda: image_batch(0))()
     batch = {k: v for k, v in batch.items() if k != "labels"}

@@ -33,6 +33,7 @@ def kt_and_reference(model_type):
     stock = tiny_model(model_type)
     kt = copy.deepcopy(stock)
     use_cpu_experts(kt)
+    architecture_of(stock.config).experts_in_place(stock)  # Granite's experts module, for ReferenceExperts to replace
     torch.manual_seed(1)
     for m in (kt, stock):  # peft >= 0.19 does not freeze a model that already holds tuner layers
         m.requires_grad_(False)

@@ -11,6 +11,8 @@ from kt_sft.loader.model import model_class
 COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64, hidden_act="silu", tie_word_embeddings=False)
 
+GRANITE_SCALES = dict(embedding_multiplier=4.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.25)
+
 CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=96,
                                                       moe_intermediate_size=40, num_experts=8,
@@ -123,6 +125,15 @@ CONFIGS = {
     "gpt_oss": lambda: transformers.GptOssConfig(  # a sliding-window layer, then a full one; experts with biases
         **COMMON, head_dim=16, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"]),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(  # Granite's multipliers, none 1, as published (3.0-3b-a800m)
+        **COMMON, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, **GRANITE_SCALES),
+    "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(**COMMON, intermediate_size=40,
+                                                                    num_local_experts=6, num_experts_per_tok=2,
+                                                                    shared_intermediate_size=48, **GRANITE_SCALES),
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(  # Granite 4.0-H: a Mamba-2 layer, then attention
+        **COMMON, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=48,
+        layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+        mamba_chunk_size=8, position_embedding_type="nope", **GRANITE_SCALES),
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),
@@ -137,7 +148,8 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
     model = model_class(config).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "input_linear.weight",
+                              "output_linear.weight")):  # Granite's experts: input_linear, output_linear
                 p.copy_(p.bfloat16().float())
             if "e_score_correction_bias" in name:  # deepseek/glm/minimax: make the bias matter
                 p.normal_(0, 0.1)
