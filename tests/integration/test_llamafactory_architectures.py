@@ -3,7 +3,8 @@ DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts s
 expert names, sigmoid routing with a correction bias), Jamba (Mamba layers), LFM2-MoE (short convolutions),
 LongCat-Flash (zero-computation experts), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse attention's
 indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open,
-FlexOlmo, AFMoE and Phi-3.5-MoE (Mixtral's expert names, its router renamed), each prepared from a checkpoint as
+FlexOlmo, AFMoE, Phi-3.5-MoE (Mixtral's expert names, its router renamed) and Granite 4.0-H (Mamba-2 layers, its
+experts as input_linear and output_linear beside the router, a shared MLP), each prepared from a checkpoint as
 transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
@@ -75,6 +76,10 @@ CONFIGS = {
         num_layers=2, num_key_value_heads=4, ffn_hidden_size=64, expert_ffn_hidden_size=64, n_routed_experts=16,
         zero_expert_num=8, moe_topk=4, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
         head_dim=16, v_head_dim=32),
+    "granitemoehybrid": lambda v: transformers.GraniteMoeHybridConfig(  # Granite 4.0-H: Mamba-2, then attention
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, num_local_experts=16,
+        shared_intermediate_size=64, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
+        mamba_d_state=16, position_embedding_type="nope"),
     "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
                                                 num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
                                                 sliding_window=64),

@@ -49,10 +49,12 @@ def loss_and_grads(model, checkpointing=None, device="cpu"):
 
 
 @pytest.mark.parametrize("model_type,expected", [("deepseek_v3", 1), ("glm4_moe", 1), ("qwen2_moe", 0),
-                                                 ("qwen3_moe", 0)])
+                                                 ("qwen3_moe", 0), ("granitemoeshared", 2), ("granitemoehybrid", 2),
+                                                 ("granitemoe", 0)])
 def test_installed_where_the_block_calls_shared_experts_last(model_type, expected):
     # The tiny DeepSeek/GLM models have one dense layer then one MoE layer; Qwen2-MoE applies its shared expert
-    # before routing (nothing to reorder), Qwen3-MoE has none.
+    # before routing (nothing to reorder), Qwen3-MoE has none. Granite's decoder layers call their shared MLP on the
+    # block's input after the block (every layer of the tiny ones); Granite 3.0's have none.
     model = tiny_model(model_type)
     use_cpu_experts(model)
     assert len(overlaps(model)) == expected
@@ -103,11 +105,13 @@ def recorded(model):
         if out.requires_grad:
             out.register_hook(lambda g: log.append("shared backward"))
 
-    shared.down_proj.register_forward_hook(shared_ran)
+    # On its last projection (down_proj, Granite's output_linear): a hook on the module itself keeps the stock order.
+    [m for m in shared.modules() if isinstance(m, torch.nn.Linear)][-1].register_forward_hook(shared_ran)
     return experts.engine
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])  # LongCat-Flash's: its dense MLP
+# LongCat-Flash's: its dense MLP; Granite's: its shared MLP, both called by the decoder layer.
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "granitemoeshared"])
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 def test_shared_experts_run_once_while_the_engine_computes(concurrent, model_type, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
@@ -178,10 +182,10 @@ def test_the_stock_order_runs_the_shared_experts_after_the_engine():
 
 @pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
 @pytest.mark.parametrize("checkpointing", [None, True, False], ids=["plain", "reentrant_ckpt", "nonreentrant_ckpt"])
-# Llama 4's shared expert beside its own block forward; LongCat-Flash's first dense MLP, which its decoder layer
-# calls on the MoE block's input after the block.
+# Llama 4's shared expert beside its own block forward; LongCat-Flash's first dense MLP and Granite's shared MLP,
+# which their decoder layers call on the MoE block's input after the block.
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe", "glm4v_moe", "glm_moe_dsa", "hy_v3", "llama4",
-                                        "longcat_flash"])
+                                        "longcat_flash", "granitemoeshared", "granitemoehybrid"])
 def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, concurrent, monkeypatch):
     monkeypatch.setattr(experts_function, "runs_beside", lambda device: concurrent)
     model = lora_model(model_type)
@@ -189,7 +193,8 @@ def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, c
     loss, grads = loss_and_grads(model, checkpointing)
     assert installed and len(overlaps(model)) == installed  # none turned itself off
     loss_ref, grads_ref = loss_and_grads(lora_model(model_type, overlap=False), checkpointing)
-    assert any(k in n for n in grads for k in ("shared_expert", "mlps.0")) and any("experts.lora_A" in n for n in grads)
+    assert any(k in n for n in grads for k in ("shared_expert", "mlps.0", "shared_mlp")) and \
+        any("experts.lora_A" in n for n in grads)
     assert loss == loss_ref  # the same operations on the same values, in another order
     # Autograd sums the two branches' gradients of the block input in another order: float32 rounding.
     for name, g in grads_ref.items():
@@ -220,7 +225,7 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("checkpointing", [None, False], ids=["plain", "nonreentrant_ckpt"])
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "granitemoehybrid"])
 def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing, model_type):
     # The same kernels, the engine on its driver thread meanwhile; float32 CUDA kernels against the CPU engine.
     model = lora_model(model_type)

@@ -1,0 +1,115 @@
+"""Granite MoE (granitemoe, granitemoeshared, granitemoehybrid): the stock block holds its experts as input_linear and
+output_linear beside the router, which kt_sft holds as one experts module (models/granitemoe.py). Full fine-tuning
+against stock transformers; state dicts in the stock names both ways; FP8/INT4 experts from a BF16 checkpoint; what
+cannot be done named. Logits, LoRA steps and generation against stock + PEFT are in test_peft_parity, prepare and
+load in test_prepare_load, kt-sft merge in test_merge, the shared MLP's overlap in test_shared_overlap, CUDA in
+test_gpu_hybrid, llamafactory-cli in tests/integration/test_llamafactory_architectures.py."""
+import copy
+
+import peft
+import pytest
+import torch
+import transformers
+
+from kt_sft.cli import run
+from kt_sft.integrations.export import export_adapter
+from kt_sft.models import use_cpu_experts
+from kt_sft.peft.layer import KTExpertsLinear
+from test_peft_parity import batch, kt_and_reference
+from tiny_models import save_checkpoint, tiny_model
+from tolerances import BF16_GRAD, FP32_IO, MERGED_BF16, rel_l2
+
+GRANITES = ["granitemoe", "granitemoeshared", "granitemoehybrid"]
+STOCK = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight"}
+
+
+def stock_name(name: str) -> str:
+    """A parameter's name in the stock Granite model."""
+    for ours, stock in STOCK.items():
+        name = name.replace(ours, stock)
+    return name
+
+
+@pytest.mark.parametrize("model_type", GRANITES)
+def test_full_mode_gradients_match_stock_model(model_type):
+    # The router's grads too: the block's forward takes its top-k and softmax from the router's logits.
+    stock = tiny_model(model_type).train()
+    kt = copy.deepcopy(stock)
+    use_cpu_experts(kt)
+    kt.requires_grad_(True)
+    ids = batch(0)["input_ids"]
+    for model in (stock, kt):
+        for micro in range(2):  # two micro-batches: the grads accumulate
+            model(input_ids=ids.roll(micro, 1), labels=ids.roll(micro, 1)).loss.backward()
+    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
+    experts = {n for n, m in kt.named_modules() if isinstance(m, KTExpertsLinear)}
+    checked = 0
+    for name, p in kt.named_parameters():
+        ref = stock_grads[stock_name(name)]
+        if name.rpartition(".")[0] in experts:
+            assert p.grad.dtype == torch.bfloat16
+            assert rel_l2(p.grad, ref) <= BF16_GRAD, name
+            checked += 1
+        else:
+            assert rel_l2(p.grad, ref) <= FP32_IO, name
+    assert checked == 4  # gate_up_proj and down_proj of both MoE layers
+    assert {stock_name(n) for n in kt.state_dict()} == set(stock.state_dict()) == set(kt.state_dict())
+
+
+def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path):
+    kt, _ = kt_and_reference("granitemoeshared")
+    ids = batch(2)["input_ids"]
+    with torch.no_grad():
+        adapter = kt(ids).logits
+    merged = kt.merge_and_unload()
+    assert set(merged.state_dict()) == set(tiny_model("granitemoeshared").state_dict())
+    merged.save_pretrained(tmp_path)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(stock(ids).logits, adapter) <= MERGED_BF16
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_stock_state_dict_loads_into_the_engine(strict):
+    stock = tiny_model("granitemoehybrid", seed=5)
+    kt = tiny_model("granitemoehybrid")
+    use_cpu_experts(kt)
+    result = kt.load_state_dict(stock.state_dict(), strict=strict)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = batch(3)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
+def test_a_bf16_checkpoint_prepared_to_a_quantized_format(tmp_path, expert_format):
+    # The fused experts read from input_linear / output_linear and quantized expert by expert at load.
+    stock = tiny_model("granitemoe")
+    save_checkpoint(stock, tmp_path / "model")
+    assert run(["prepare", str(tmp_path / "model"), str(tmp_path / "prepared"), "--expert-format",
+                expert_format]) == 0
+    kt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                           dtype=torch.float32)
+    experts = {n: m for n, m in kt.named_modules() if isinstance(m, KTExpertsLinear)}
+    assert [m.expert_format for m in experts.values()] == [expert_format] * 2
+    for name, module in experts.items():  # the stock model on the weights the engine computes with (dequantized)
+        block = stock.get_submodule(name.removesuffix(".experts"))
+        with torch.no_grad():
+            for stock_weight, weight in zip((block.input_linear.weight, block.output_linear.weight),
+                                            module.base_weights()):
+                stock_weight.copy_(weight.float())
+    ids = batch(7)["input_ids"]
+    with torch.no_grad():
+        assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
+
+
+def test_per_expert_export_is_refused(tmp_path):
+    # No runtime holds Granite's experts per expert: the adapter is served by kt_sft or merged (kt-sft merge).
+    save_checkpoint(tiny_model("granitemoe"), tmp_path / "model")
+    model = tiny_model("granitemoe")
+    use_cpu_experts(model)
+    model.requires_grad_(False)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["experts"])).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(ValueError, match="granitemoe's experts exist only fused .* no runtime has the per-expert"):
+        export_adapter(tmp_path / "adapter", tmp_path / "exported", tmp_path / "model")
