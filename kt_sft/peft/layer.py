@@ -240,6 +240,8 @@ class KTExpertsLinear(KTExperts, LoraLayer):
                     new.data = old.data
         else:
             experts = KTExpertsLinear(self.quantized_weights(), **same)
+        # Where the model computes: a new adapter's LoRA goes there (KT_SFT_LORA_ON_GPU) without another .to().
+        experts._model_device = self._model_device
         guard = self.__dict__.get("base_guard")  # the loader's refusal of training base weights beside these experts
         if guard is not None:
             guard.watch(experts)

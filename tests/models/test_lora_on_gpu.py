@@ -102,6 +102,26 @@ def test_lora_follows_the_model_to_its_gpu_and_back(monkeypatch, order):
     assert all(not m._gpu_lora._copies and not m._gpu_lora._grads for m in experts)  # pinned buffers freed
 
 
+def test_unloaded_experts_keep_the_models_device(monkeypatch):
+    # LLaMA-Factory merges all but the last of several adapters (merge_and_unload), then puts the last on the model
+    # where it is: the new LoRA goes where the model computes, as on experts that never held an adapter.
+    model = lora_model()
+    for m in model.modules():
+        if isinstance(m, KTExpertsLinear):
+            m._model_device = torch.device("cuda", 1)  # as a move of the model there leaves it (no device needed)
+    unloaded = [m for m in model.merge_and_unload().modules() if isinstance(m, KTExpertsLinear)]
+    assert unloaded and all(m._model_device == torch.device("cuda", 1) for m in unloaded)
+
+
+@needs_cuda
+def test_a_new_adapter_after_merge_and_unload_goes_to_the_gpu(monkeypatch):
+    monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "1")
+    merged = lora_model(device=torch.device("cuda")).merge_and_unload()
+    torch.manual_seed(6)
+    model = get_peft_model(merged, LoraConfig(r=4, lora_alpha=8, target_modules=["experts"]))
+    assert expert_lora(model) and all(p.device.type == "cuda" for p in expert_lora(model))
+
+
 @needs_cuda
 def test_a_forward_under_inference_mode_before_training_leaves_usable_copies(monkeypatch):
     # The host copies were made by the first call: under inference_mode they were inference tensors, and the
