@@ -3,9 +3,9 @@ DeltaNet and gated attention layers) and Qwen3.5-MoE's text model (its experts s
 expert names, sigmoid routing with a correction bias), Jamba (Mamba layers), LFM2-MoE (short convolutions),
 LongCat-Flash (zero-computation experts), OLMoE, dots.llm1, GLM-4.7-Flash (MLA), GLM-5 (MLA with sparse attention's
 indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open,
-FlexOlmo, AFMoE, Phi-3.5-MoE (Mixtral's expert names, its router renamed) and Granite 4.0-H (Mamba-2 layers, its
-experts as input_linear and output_linear beside the router, a shared MLP), each prepared from a checkpoint as
-transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
+FlexOlmo, AFMoE, Phi-3.5-MoE (Mixtral's expert names, its router renamed), Granite 4.0-H (Mamba-2 layers, its
+experts as input_linear and output_linear beside the router, a shared MLP), MiniMax-Text-01 (lightning attention)
+and Mistral 4 (MLA, group-limited softmax routing), each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from kt_sft.integrations.demo import write_data, write_tokenizer
 from kt_sft.integrations.prepare import prepare
+from kt_sft.loader.model import model_class
 from test_llamafactory import losses
 from test_llamafactory_quantized import train_lora
 
@@ -80,6 +81,13 @@ CONFIGS = {
         vocab_size=v, **{k: x for k, x in SIZES.items() if k != "head_dim"}, num_local_experts=16,
         shared_intermediate_size=64, layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=32,
         mamba_d_state=16, position_embedding_type="nope"),
+    "minimax": lambda v: transformers.MiniMaxConfig(  # MiniMax-Text-01 / M1: lightning attention, then softmax
+        vocab_size=v, **SIZES, num_local_experts=16, block_size=64, layer_types=["linear_attention", "full_attention"]),
+    "mistral4": lambda v: transformers.Mistral4Config(
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("head_dim", "num_key_value_heads")},
+        num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, n_group=4,
+        topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=32),
     "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
                                                 num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
                                                 sliding_window=64),
@@ -90,7 +98,8 @@ CONFIGS = {
 def test_lora_through_llamafactory(tmp_path, model_type):
     torch.manual_seed(0)
     src = tmp_path / "src"
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[model_type](write_tokenizer(src)))
+    config = CONFIGS[model_type](write_tokenizer(src))
+    model = model_class(config).from_config(config)  # transformers 5.6 maps Mistral 4 to its image-text auto class
     with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
         model.lm_head.weight.normal_(0, 0.15)
     model.save_pretrained(src)

@@ -44,6 +44,14 @@ CONFIGS = {
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16),
     "minimax_m2": lambda: transformers.MiniMaxM2Config(**COMMON, head_dim=16, intermediate_size=40,
                                                        num_local_experts=8, num_experts_per_tok=2),
+    "minimax": lambda: transformers.MiniMaxConfig(  # a lightning (linear) attention layer, then a softmax one
+        **COMMON, head_dim=16, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, block_size=4,
+        layer_types=["linear_attention", "full_attention"]),
+    "mistral4": lambda: transformers.Mistral4Config(  # MLA, softmax scores routed within groups, a dense first layer
+        **{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=1.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2),
     "dots1": lambda: transformers.Dots1Config(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
