@@ -7,7 +7,7 @@ import torch
 
 import kt_sft
 from kt_sft.formats import QuantizedExperts
-from kt_sft.ops.reference import GPT_OSS_GLU, LoraWeights, moe_experts_reference
+from kt_sft.ops.reference import GPT_OSS_GLU, Glu, LoraWeights, moe_experts_reference
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,11 @@ def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
 
 
 def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0,
-                expert_format: str = "bf16", identity_experts: int = 0, gpt_oss: bool = False) -> kt_sft.KTExperts:
+                expert_format: str = "bf16", identity_experts: int = 0, gpt_oss: bool = False,
+                unit: Glu | None = None) -> kt_sft.KTExperts:
     """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values. gpt_oss: with biases
-    and GPT-OSS's clamped unit; the gate/up bias spread wide enough (σ 4) that many g and u pass the clamps (±7)."""
+    and GPT-OSS's clamped unit; the gate/up bias spread wide enough (σ 4) that many g and u pass the clamps (±7).
+    unit: another gated unit than SwiGLU (GEGLU_TANH)."""
     gen = torch.Generator().manual_seed(seed)
     E, H, I = shape.E, shape.H, shape.I
     gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
@@ -44,6 +46,8 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
     if gpt_oss:
         kwargs.update(gate_up_proj_bias=(4 * torch.randn(E, 2 * I, generator=gen)).bfloat16(),
                       down_proj_bias=torch.randn(E, H, generator=gen).bfloat16(), unit=GPT_OSS_GLU)
+    if unit is not None:
+        kwargs["unit"] = unit
     if expert_format == "bf16":
         m = kt_sft.KTExperts(gu, dn, **kwargs)
     else:

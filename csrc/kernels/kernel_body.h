@@ -577,15 +577,17 @@ void gemm_nn(const GemmNN<TB>& g) {
 }
 
 // The gated unit h = a(g')·(u' + up_offset) with g' = min(g, limit), u' = clamp(u, −limit, limit) and
-// a(g') = g'·sigmoid(alpha·g'): SwiGLU (silu) at the defaults, GPT-OSS's clamped form with its alpha, limit and +1.
-// Written for lanes and for the tail alike; the clamps keep a NaN input (minps passes its second operand on).
+// a(g') = g'·sigmoid(alpha·g'·(1 + cubic·g'²)): SwiGLU (silu) at the defaults, GPT-OSS's clamped form with its alpha,
+// limit and +1, GeGLU's tanh-approximated gelu with its alpha and cubic. At cubic 0 the cubic term is skipped (not
+// multiplied by 0, which would turn an infinite g into NaN). Written for lanes and for the tail alike; the clamps keep
+// a NaN input (minps passes its second operand on).
 template <class S>
 inline typename S::V glu_lane(typename S::V g, typename S::V u, const kt::Glu& f, typename S::V& gl, typename S::V& s) {
   using VV = typename S::V;
   gl = S::min(S::set1(f.limit), g);
   const VV ul = S::max(S::set1(-f.limit), S::min(S::set1(f.limit), u));
-  const VV ag = S::mul(S::set1(-f.alpha), gl);
-  s = S::div(S::set1(1.f), S::add(S::set1(1.f), S::exp(ag)));
+  const VV z = f.cubic == 0.f ? gl : S::mul(gl, S::fma(S::mul(S::set1(f.cubic), gl), gl, S::set1(1.f)));
+  s = S::div(S::set1(1.f), S::add(S::set1(1.f), S::exp(S::mul(S::set1(-f.alpha), z))));
   return S::add(ul, S::set1(f.up_offset));
 }
 
@@ -616,8 +618,9 @@ void glu(long n, const float* g, const float* u, float* h, const kt::Glu& f) {
   }
 }
 
-// With s = sigmoid(alpha·g'): a'(g') = s·(1 + alpha·g'·(1 − s)); dg = dh·(u' + up_offset)·a'(g') where g < limit,
-// du = dh·a(g') where |u| < limit (at the limit itself none passes, as torch's clamp gives).
+// With s = sigmoid(alpha·(g' + cubic·g'³)): a'(g') = s·(1 + alpha·g'·(1 + 3·cubic·g'²)·(1 − s));
+// dg = dh·(u' + up_offset)·a'(g') where g < limit, du = dh·a(g') where |u| < limit (at the limit itself none passes,
+// as torch's clamp gives).
 template <class S>
 inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V dhv, const kt::Glu& f,
                               typename S::V& dg, typename S::V& du) {
@@ -625,7 +628,9 @@ inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V 
   VV gl, s;
   const VV up = glu_lane<S>(gv, uv, f, gl, s);
   const VV one = S::set1(1.f);
-  const VV da = S::mul(s, S::fma(S::mul(S::set1(f.alpha), gl), S::add(one, S::mul(s, S::set1(-1.f))), one));
+  const VV dz = f.cubic == 0.f ? S::set1(f.alpha)  // alpha·dz/dg'
+                                : S::mul(S::set1(f.alpha), S::fma(S::mul(S::set1(3.f * f.cubic), gl), gl, one));
+  const VV da = S::mul(s, S::fma(S::mul(dz, gl), S::add(one, S::mul(s, S::set1(-1.f))), one));
   dg = S::zero_where_ge(gv, S::set1(f.limit), S::mul(S::mul(dhv, up), da));
   const VV d = S::mul(dhv, S::mul(gl, s));
   du = S::zero_where_ge(uv, S::set1(f.limit), S::zero_where_ge(S::set1(-f.limit), uv, d));

@@ -16,12 +16,14 @@
 namespace kt {
 
 // The experts' gated unit: h = a(g')·(u' + up_offset), g' = min(g, limit), u' = clamp(u, −limit, limit),
-// a(g') = g'·sigmoid(alpha·g'). The defaults give SwiGLU, silu(g)·u (every architecture but one); GPT-OSS's
-// experts use alpha 1.702, limit 7 and up_offset 1.
+// a(g') = g'·sigmoid(alpha·(g' + cubic·g'³)). The defaults give SwiGLU, silu(g)·u; GPT-OSS's experts use alpha
+// 1.702, limit 7 and up_offset 1; GeGLU's tanh-approximated gelu (Gemma 4), 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))),
+// is alpha 2·√(2/π) and cubic 0.044715 (0.5·(1 + tanh(z)) = sigmoid(2z)).
 struct Glu {
   float alpha = 1.f;
   float limit = __builtin_inff();
   float up_offset = 0.f;
+  float cubic = 0.f;
 };
 
 // The experts' weight format (moe/experts.h says how it follows from the weights' dtype).

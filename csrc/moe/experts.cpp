@@ -466,8 +466,10 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
     expect(w.down_scale, "down scale (weight_scale)", DType::bf16, {E, H, ceil_div(I, gs)});
   }
   if (!w.gate_up_bias.empty()) expect_float(w.gate_up_bias, "gate_up_proj_bias", {E, 2L * I});
-  if (!(glu.alpha > 0.f) || !(glu.limit > 0.f) || !std::isfinite(glu.up_offset))
-    throw std::invalid_argument("the gated unit needs alpha > 0, limit > 0 (infinity: no clamp) and a finite offset.");
+  if (!(glu.alpha > 0.f) || !(glu.limit > 0.f) || !std::isfinite(glu.up_offset) || !(glu.cubic >= 0.f) ||
+      !std::isfinite(glu.cubic))
+    throw std::invalid_argument("the gated unit needs alpha > 0, limit > 0 (infinity: no clamp), a finite offset and "
+                                "a finite cubic >= 0.");
   check_finite_weights();
 }
 

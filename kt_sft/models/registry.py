@@ -49,8 +49,10 @@ class MoEArchitecture:
     gate_up_interleaved: bool = False
     # Whether the experts have gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] (GPT-OSS).
     expert_biases: bool = False
-    # The experts' gated unit (ops/reference.py Glu): SwiGLU, or GPT-OSS's clamped form.
+    # The experts' gated unit (ops/reference.py Glu): SwiGLU, GPT-OSS's clamped form, or GeGLU (Gemma 4), and the
+    # activation names of the config's hidden_act (or hidden_activation) that the unit computes.
     unit: Glu = SWIGLU
+    activations: tuple[str, ...] = ("silu", "swish")
     # Gives a stock model's MoE blocks an experts module of transformers 5's form (experts_classes), where they hold
     # their experts otherwise (Granite's input_linear and output_linear beside the router); None: they hold one.
     restructure: Callable | None = None
@@ -167,14 +169,17 @@ def architecture_of(config) -> MoEArchitecture:
                              f"{_ALIASES.get(model_type, 'its text model')} with stock transformers.")
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
-    act = getattr(text_config_of(config), "hidden_act", "silu")
-    if act not in ("silu", "swish"):  # checked here so that loading a checkpoint refuses it too, not only patching
-        raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute SwiGLU (silu) only, so "
-                         "kt_sft cannot train this model: use one whose experts use silu.")
+    arch = _REGISTRY[model_type]
+    text = text_config_of(config)
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
+    if act not in arch.activations:  # checked here so that loading a checkpoint refuses it too, not only patching
+        raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute {model_type}'s experts with "
+                         f"{' or '.join(arch.activations)} only, so kt_sft cannot train this model: use one whose "
+                         "experts use that.")
     if model_type == "deepseek_v2" and getattr(config, "topk_method", None) == "group_limited_greedy":
         # transformers 5.6's DeepseekV2Moe reads self.num_experts on that path, which it never sets: the stock model
         # fails at its first forward too.
         raise ValueError("DeepSeek-V2 with topk_method 'group_limited_greedy' (the full model's routing) fails in "
                          "transformers' DeepseekV2Moe (AttributeError: no num_experts), stock model included; "
                          "kt_sft cannot serve it until transformers does (DeepSeek-V2-Lite's 'greedy' works).")
-    return _REGISTRY[model_type]
+    return arch

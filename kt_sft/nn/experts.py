@@ -232,7 +232,7 @@ class KTExperts(LoadsInPlace, nn.Module):
         self.engine = _C.Engine(self.num_experts, self.hidden_size, self.intermediate_size, *weights,
                                 gate_up_bias=None if bias is None else view(engine_tensor(bias), "gate_up_proj_bias"),
                                 glu_alpha=self.unit.alpha, glu_limit=self.unit.limit,
-                                glu_up_offset=self.unit.up_offset)
+                                glu_up_offset=self.unit.up_offset, glu_cubic=self.unit.cubic)
         if isinstance(gate_up_proj, QuantizedExperts) and self.engine.format != EXPERT_FORMATS[gate_up_proj.format]:
             raise ValueError(f"QuantizedExperts says {gate_up_proj.format!r} but holds tensors of the "
                              f"{self.engine.format} layout; build it with QuantizedExperts.quantize or "

@@ -20,23 +20,30 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 class Glu(NamedTuple):
-    """The experts' gated unit: h = g'·sigmoid(alpha·g')·(u' + up_offset), g' = min(g, limit), u' = u clamped to
-    ±limit (csrc/kernels/kernels.h). The defaults are SwiGLU, silu(g)·u."""
+    """The experts' gated unit: h = g'·sigmoid(alpha·(g' + cubic·g'³))·(u' + up_offset), g' = min(g, limit), u' = u
+    clamped to ±limit (csrc/kernels/kernels.h). The defaults are SwiGLU, silu(g)·u."""
 
     alpha: float = 1.0
     limit: float = math.inf
     up_offset: float = 0.0
+    cubic: float = 0.0
 
 
 SWIGLU = Glu()
 GPT_OSS_GLU = Glu(alpha=1.702, limit=7.0, up_offset=1.0)  # transformers' GptOssExperts
+# GeGLU with the tanh-approximated gelu (gelu_pytorch_tanh: Gemma 4): 0.5·(1 + tanh(z)) = sigmoid(2z).
+GEGLU_TANH = Glu(alpha=2.0 * math.sqrt(2.0 / math.pi), cubic=0.044715)
 
 
 def glu(g: torch.Tensor, u: torch.Tensor, f: Glu = SWIGLU) -> torch.Tensor:
+    """The gated unit as torch computes it: torch's own silu and tanh-approximated gelu where the unit is one of
+    those (the engine's sigmoid form of the latter is checked against torch's tanh form)."""
     if f == SWIGLU:
         return F.silu(g) * u
+    if f == GEGLU_TANH:
+        return F.gelu(g, approximate="tanh") * u
     g = g.clamp(max=f.limit)
-    return g * torch.sigmoid(g * f.alpha) * (u.clamp(-f.limit, f.limit) + f.up_offset)
+    return g * torch.sigmoid(f.alpha * g * (1 + f.cubic * g * g)) * (u.clamp(-f.limit, f.limit) + f.up_offset)
 
 
 class LoraWeights(NamedTuple):

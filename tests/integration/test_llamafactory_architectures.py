@@ -5,7 +5,9 @@ LongCat-Flash (zero-computation experts), OLMoE, dots.llm1, GLM-4.7-Flash (MLA),
 indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open,
 FlexOlmo, AFMoE, Phi-3.5-MoE (Mixtral's expert names, its router renamed), Granite 4.0-H (Mamba-2 layers, its
 experts as input_linear and output_linear beside the router, a shared MLP), MiniMax-Text-01 (lightning attention)
-and Mistral 4 (MLA, group-limited softmax routing), each prepared from a checkpoint as transformers saves it. The loss falls and the adapter holds the experts' LoRA."""
+Mistral 4 (MLA, group-limited softmax routing) and Gemma 4 (GeGLU experts beside a dense MLP; its text model, and
+the whole model's class without a vision tower), each prepared from a checkpoint as transformers saves it. The loss
+falls and the adapter holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -20,6 +22,12 @@ from test_llamafactory_quantized import train_lora
 SIZES = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, num_experts_per_tok=4, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=None, eos_token_id=2, pad_token_id=0)
+def GEMMA4_TEXT(v):  # Gemma 4 26B-A4B's layer: a dense MLP, then the router and GeGLU experts
+    return dict(vocab_size=v, **{k: x for k, x in SIZES.items() if k != "num_experts_per_tok"}, global_head_dim=32,
+                moe_intermediate_size=64, num_experts=16, top_k_experts=4, enable_moe_block=True,
+                hidden_size_per_layer_input=0, sliding_window=64, layer_types=["sliding_attention", "full_attention"])
+
+
 CONFIGS = {
     "qwen3_next": lambda v: transformers.Qwen3NextConfig(
         vocab_size=v, **SIZES, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=16,
@@ -88,6 +96,8 @@ CONFIGS = {
         num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, n_group=4,
         topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=32),
+    "gemma4_text": lambda v: transformers.Gemma4TextConfig(**GEMMA4_TEXT(v)),
+    "gemma4": lambda v: transformers.Gemma4Config(text_config=GEMMA4_TEXT(v)),  # the whole model's class
     "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,
                                                 num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
                                                 sliding_window=64),

@@ -13,6 +13,12 @@ COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_
 
 GRANITE_SCALES = dict(embedding_multiplier=4.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.25)
 
+# Gemma 4 26B-A4B's layer: a dense MLP, then the router and GeGLU experts; sliding, then full attention.
+GEMMA4_TEXT = dict(**{k: v for k, v in COMMON.items() if k != "hidden_act"}, head_dim=16, global_head_dim=16,
+                   intermediate_size=96, moe_intermediate_size=40, num_experts=8, top_k_experts=2,
+                   enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"])
+
 CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=96,
                                                       moe_intermediate_size=40, num_experts=8,
@@ -142,6 +148,8 @@ CONFIGS = {
         **COMMON, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=48,
         layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
         mamba_chunk_size=8, position_embedding_type="nope", **GRANITE_SCALES),
+    "gemma4_text": lambda: transformers.Gemma4TextConfig(**GEMMA4_TEXT),
+    "gemma4": lambda: transformers.Gemma4Config(text_config=GEMMA4_TEXT),  # the whole model's class, no vision tower
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
                                               num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                                               num_dense_layers=1, global_attn_every_n_layers=2, sliding_window=8),

@@ -1,6 +1,8 @@
-"""GPT-OSS's experts on the engine: gate/up and down biases and the clamped unit (h = g'·sigmoid(1.702·g')·(u' + 1),
-g' = min(g, 7), u' = u clamped to ±7) against the float64 reference, output and every gradient (the biases' in full
-mode), on each kernel set, in BF16, FP8 and INT4.
+"""The gated units other than SwiGLU on the engine, against the float64 reference, output and every gradient, on each
+kernel set, in BF16, FP8 and INT4. GPT-OSS's experts: gate/up and down biases and the clamped unit
+(h = g'·sigmoid(1.702·g')·(u' + 1), g' = min(g, 7), u' = u clamped to ±7; the biases' grads in full mode). GeGLU with
+the tanh-approximated gelu (Gemma 4), which the engine computes as g·sigmoid(2·√(2/π)·(g + 0.044715·g³)) and the
+reference as torch's gelu(g, approximate="tanh"): the same function, rounded otherwise.
 
 The gate/up bias (σ 4) puts many g and u past the clamps, where the gradient is cut: the engine's float32 g lies
 within ~1e-6 relative of the reference's, so an element would take the other side of a clamp only within that of
@@ -11,6 +13,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import check, kernels, tiles  # noqa: F401 (fixtures)
+from kt_sft.ops.reference import GEGLU_TANH
 from tolerances import BF16_GRAD, BF16_IO, FP32_IO, for_kernels, for_quantized_kernels, rel_l2
 
 SHAPES = [
@@ -35,8 +38,8 @@ def clamped_share(m, x, idx):
 
 
 def full_mode_check(got, ref, shape, tol):
-    # Base weights' and biases' grads land in BF16 param.grad: one rounding.
-    for key in ("d_gate_up", "d_down", "d_gate_up_proj_bias", "d_down_proj_bias"):
+    # Base weights' and biases' grads (where the experts have biases) land in BF16 param.grad: one rounding.
+    for key in [k for k in ("d_gate_up", "d_down", "d_gate_up_proj_bias", "d_down_proj_bias") if k in ref]:
         err = rel_l2(got.pop(key), ref.pop(key))
         assert err <= max(BF16_GRAD, tol), f"{shape.name}: {key} rel L2 {err:.2e}"
     check(got, ref, tol, shape)
@@ -173,3 +176,63 @@ def test_moves_keep_the_order_of_parameters():
     m.to(torch.float64)
     assert [n for n, _ in m.named_parameters()] == names
     assert m.down_proj_bias.dtype == torch.float64 and m.gate_up_proj_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
+def test_geglu_experts_parity_fp32(kernels, shape, mode):
+    m = make_module(shape, lora=mode != "full", train_base=mode == "full", unit=GEGLU_TANH)
+    x, idx, w, g = inputs(shape)
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    if mode == "full":
+        full_mode_check(got, ref, shape, FP32_IO)
+    else:
+        check(got, ref, FP32_IO, shape)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5]], ids=lambda s: s.name)
+def test_geglu_experts_bf16_activations(kernels, shape):
+    m = make_module(shape, lora=True, unit=GEGLU_TANH)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2)],
+                         ids=lambda s: s.name)
+def test_geglu_experts_on_tiles(tiles, shape):
+    m = make_module(shape, lora=True, unit=GEGLU_TANH)
+    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: s.name)
+def test_geglu_experts_quantized(kernels, expert_format, shape):
+    m = make_module(shape, lora=True, expert_format=expert_format, unit=GEGLU_TANH)
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
+          for_quantized_kernels(kernels, FP32_IO, bf16_activations=False), shape)
+
+
+def test_geglu_decode_matches(kernels):
+    shape = SHAPES[3]
+    m = make_module(shape, lora=True, unit=GEGLU_TANH).eval()
+    x, idx, w, _ = inputs(shape)
+    with torch.no_grad():
+        y = m(x, idx, w)
+    assert rel_l2(y, run_reference(m, x, idx, w, torch.zeros_like(x))["y"]) <= FP32_IO
+
+
+def test_the_geglu_unit_matches_torch_far_out_and_the_cubic_is_checked():
+    # Inputs far past the curve's bend (|g| up to 60: the sigmoid saturates, g³ is large) and the cubic's range.
+    shape = Shape("wide", T=32, H=16, I=16, E=2, K=1)
+    m = make_module(shape, lora=False, train_base=True, unit=GEGLU_TANH)
+    x, idx, w, g = inputs(shape)
+    x = x * 30
+    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
+    full_mode_check(got, ref, shape, FP32_IO)
+    gu, dn = m.base_weights()
+    with pytest.raises(ValueError, match="a finite cubic >= 0"):
+        kt_sft.KTExperts(gu, dn, unit=GEGLU_TANH._replace(cubic=-1.0))
