@@ -42,8 +42,11 @@ def glu(g: torch.Tensor, u: torch.Tensor, f: Glu = SWIGLU) -> torch.Tensor:
         return F.silu(g) * u
     if f == GEGLU_TANH:
         return F.gelu(g, approximate="tanh") * u
-    g = g.clamp(max=f.limit)
-    return g * torch.sigmoid(f.alpha * g * (1 + f.cubic * g * g)) * (u.clamp(-f.limit, f.limit) + f.up_offset)
+    # The clamps pass no gradient at the limit itself, as the engine: torch 2.14's clamp does the same, torch 2.11's
+    # passes it (a value exactly at the limit is the only difference between them).
+    g = torch.where(g < f.limit, g, g.clamp(max=f.limit).detach())
+    u = torch.where(u.abs() < f.limit, u, u.clamp(-f.limit, f.limit).detach())
+    return g * torch.sigmoid(f.alpha * g * (1 + f.cubic * g * g)) * (u + f.up_offset)
 
 
 class LoraWeights(NamedTuple):
