@@ -171,8 +171,10 @@ def architecture_of(config) -> MoEArchitecture:
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     arch = _REGISTRY[model_type]
     text = text_config_of(config)
-    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"
-    if act not in arch.activations:  # checked here so that loading a checkpoint refuses it too, not only patching
+    # Checked here so that loading a checkpoint refuses it too, not only patching; a config that names no activation
+    # (kt-sft merge and export look the architecture up by model_type alone) is not checked.
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    if act is not None and act not in arch.activations:
         raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute {model_type}'s experts with "
                          f"{' or '.join(arch.activations)} only, so kt_sft cannot train this model: use one whose "
                          "experts use that.")
