@@ -579,14 +579,27 @@ void gemm_nn(const GemmNN<TB>& g) {
 // The gated unit h = a(g')·(u' + up_offset) with g' = min(g, limit), u' = clamp(u, −limit, limit) and
 // a(g') = g'·sigmoid(alpha·g'·(1 + cubic·g'²)): SwiGLU (silu) at the defaults, GPT-OSS's clamped form with its alpha,
 // limit and +1, GeGLU's tanh-approximated gelu with its alpha and cubic. At cubic 0 the cubic term is skipped (not
-// multiplied by 0, which would turn an infinite g into NaN). Written for lanes and for the tail alike; the clamps keep
-// a NaN input (minps passes its second operand on).
+// multiplied by 0, which would turn an infinite g into NaN). Otherwise it is taken of g' clamped to ±CUBIC_BOUND
+// (cubic_arg), past which sigmoid is 0 or 1 in float32 for GeGLU: the exp below saturates short of that, and the
+// backward's g'³-sized factor would turn its remainder into large gradients (or NaN past ~1e13). Written for lanes and
+// for the tail alike; the clamps keep a NaN input (minps passes its second operand on).
+constexpr float CUBIC_BOUND = 15.f;
+
+template <class S>
+inline typename S::V cubic_arg(typename S::V gl) {
+  return S::max(S::set1(-CUBIC_BOUND), S::min(S::set1(CUBIC_BOUND), gl));
+}
+
 template <class S>
 inline typename S::V glu_lane(typename S::V g, typename S::V u, const kt::Glu& f, typename S::V& gl, typename S::V& s) {
   using VV = typename S::V;
   gl = S::min(S::set1(f.limit), g);
   const VV ul = S::max(S::set1(-f.limit), S::min(S::set1(f.limit), u));
-  const VV z = f.cubic == 0.f ? gl : S::mul(gl, S::fma(S::mul(S::set1(f.cubic), gl), gl, S::set1(1.f)));
+  VV z = gl;
+  if (f.cubic != 0.f) {
+    const VV gc = cubic_arg<S>(gl);
+    z = S::mul(gc, S::fma(S::mul(S::set1(f.cubic), gc), gc, S::set1(1.f)));
+  }
   s = S::div(S::set1(1.f), S::add(S::set1(1.f), S::exp(S::mul(S::set1(-f.alpha), z))));
   return S::add(ul, S::set1(f.up_offset));
 }
@@ -628,9 +641,12 @@ inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V 
   VV gl, s;
   const VV up = glu_lane<S>(gv, uv, f, gl, s);
   const VV one = S::set1(1.f);
-  const VV dz = f.cubic == 0.f ? S::set1(f.alpha)  // alpha·dz/dg'
-                                : S::mul(S::set1(f.alpha), S::fma(S::mul(S::set1(3.f * f.cubic), gl), gl, one));
-  const VV da = S::mul(s, S::fma(S::mul(dz, gl), S::add(one, S::mul(s, S::set1(-1.f))), one));
+  VV dz = S::set1(f.alpha), gz = gl;  // alpha·dz/dg', and the g' it multiplies (cubic_arg's where there is a cubic)
+  if (f.cubic != 0.f) {
+    gz = cubic_arg<S>(gl);
+    dz = S::mul(dz, S::fma(S::mul(S::set1(3.f * f.cubic), gz), gz, one));
+  }
+  const VV da = S::mul(s, S::fma(S::mul(dz, gz), S::add(one, S::mul(s, S::set1(-1.f))), one));
   dg = S::zero_where_ge(gv, S::set1(f.limit), S::mul(S::mul(dhv, up), da));
   const VV d = S::mul(dhv, S::mul(gl, s));
   du = S::zero_where_ge(uv, S::set1(f.limit), S::zero_where_ge(S::set1(-f.limit), uv, d));

@@ -159,6 +159,11 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                              f"{arch.experts_prefix(layer)}gate_up_proj{mxfp4.SUFFIXES[0]}: kt_sft reads MXFP4 "
                              "experts fused, as GPT-OSS publishes them; check that config.json belongs to these "
                              "weights.")
+        if arch.restructure is not None and not fused:  # Granite: published fused, beside the router
+            stored = arch.checkpoint_name(arch.experts_prefix(layer) + "gate_up_proj")
+            raise ValueError(f"the checkpoint has no {stored} (layer {layer}'s routed experts, which "
+                             f"{arch.model_type} checkpoints hold fused); "
+                             "check that config.json belongs to these weights, or download the missing shards.")
         if arch.expert_biases and not fused:
             raise ValueError(f"the checkpoint has no {arch.experts_prefix(layer)}gate_up_proj: kt_sft reads "
                              f"{arch.model_type}'s experts fused with their biases, as they are published; save the "
@@ -171,7 +176,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
         prefixes = experts_key_prefixes(arch, layer, name)
-        other = sorted(k for k in ckpt.keys() if k.startswith(prefixes) and k not in expected)
+        other = sorted(k for k in ckpt.keys() if in_experts(arch, k, prefixes) and k not in expected)
         if other:
             raise ValueError(f"the checkpoint has {_first_of(other)} "
                              f"beside layer {layer}'s {fmt} experts, which kt_sft does not read ({fmt} experts are "

@@ -8,7 +8,8 @@ before the experts in the stock layer, so nothing of its runs on the GPU while t
 from ..ops.reference import GEGLU_TANH
 from .registry import MoEArchitecture, register
 
-GEMMA4 = dict(experts_classes=("Gemma4TextExperts",), unit=GEGLU_TANH, activations=("gelu_pytorch_tanh", "gelu_new"))
+GEMMA4 = dict(experts_classes=("Gemma4TextExperts",), unit=GEGLU_TANH, activation_field="hidden_activation",
+              activations=("gelu_pytorch_tanh", "gelu_new"))
 
 register(MoEArchitecture("gemma4",
                          checkpoint_experts="model.language_model.layers.{layer}.experts.{expert}.{proj}.weight",

@@ -49,9 +49,10 @@ class MoEArchitecture:
     gate_up_interleaved: bool = False
     # Whether the experts have gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] (GPT-OSS).
     expert_biases: bool = False
-    # The experts' gated unit (ops/reference.py Glu): SwiGLU, GPT-OSS's clamped form, or GeGLU (Gemma 4), and the
-    # activation names of the config's hidden_act (or hidden_activation) that the unit computes.
+    # The experts' gated unit (ops/reference.py Glu): SwiGLU, GPT-OSS's clamped form, or GeGLU (Gemma 4); the text
+    # config's field the stock experts read their activation from, and its values that the unit computes.
     unit: Glu = SWIGLU
+    activation_field: str = "hidden_act"
     activations: tuple[str, ...] = ("silu", "swish")
     # Gives a stock model's MoE blocks an experts module of transformers 5's form (experts_classes), where they hold
     # their experts otherwise (Granite's input_linear and output_linear beside the router); None: they hold one.
@@ -173,11 +174,11 @@ def architecture_of(config) -> MoEArchitecture:
     text = text_config_of(config)
     # Checked here so that loading a checkpoint refuses it too, not only patching; a config that names no activation
     # (kt-sft merge and export look the architecture up by model_type alone) is not checked.
-    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    act = getattr(text, arch.activation_field, None)
     if act is not None and act not in arch.activations:
-        raise ValueError(f"{model_type} uses hidden_act={act!r}; the CPU experts compute {model_type}'s experts with "
-                         f"{' or '.join(arch.activations)} only, so kt_sft cannot train this model: use one whose "
-                         "experts use that.")
+        raise ValueError(f"{model_type} uses {arch.activation_field}={act!r}; the CPU experts compute {model_type}'s "
+                         f"experts with {' or '.join(arch.activations)} only, so kt_sft cannot train this model: use "
+                         "one whose experts use that.")
     if model_type == "deepseek_v2" and getattr(config, "topk_method", None) == "group_limited_greedy":
         # transformers 5.6's DeepseekV2Moe reads self.num_experts on that path, which it never sets: the stock model
         # fails at its first forward too.

@@ -103,7 +103,7 @@ def test_the_per_expert_adapter_loaded_into_a_kt_sft_model_is_warned_about(tmp_p
     with torch.no_grad():
         for _ in range(2):
             loaded(input_ids=torch.arange(8)[None])
-    said = [w for w in recwarn if "name per-expert projections" in str(w.message)]
+    said = [w for w in recwarn if "name the routed experts' projections" in str(w.message)]
     assert len(said) == 1 and "loads without its expert LoRA" in str(said[0].message)
 
 

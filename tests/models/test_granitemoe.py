@@ -1,18 +1,22 @@
 """Granite MoE (granitemoe, granitemoeshared, granitemoehybrid): the stock block holds its experts as input_linear and
 output_linear beside the router, which kt_sft holds as one experts module (models/granitemoe.py). Full fine-tuning
 against stock transformers; state dicts in the stock names both ways; FP8/INT4 experts from a BF16 checkpoint; what
-cannot be done named. Logits, LoRA steps and generation against stock + PEFT are in test_peft_parity, prepare and
-load in test_prepare_load, kt-sft merge in test_merge, the shared MLP's overlap in test_shared_overlap, CUDA in
-test_gpu_hybrid, llamafactory-cli in tests/integration/test_llamafactory_architectures.py."""
+cannot be done named. test_peft_parity compares logits with the stock model, and LoRA steps and generation with
+stock PEFT whose experts (ReferenceExperts) the block calls as kt_sft's does (routed_forward, which the logits and
+the full-mode grads here check against the stock block). Prepare and load are in test_prepare_load, kt-sft merge in
+test_merge, the shared MLP's overlap in test_shared_overlap, CUDA in test_gpu_hybrid, llamafactory-cli in
+tests/integration/test_llamafactory_architectures.py."""
 import copy
 
 import peft
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import run
 from kt_sft.integrations.export import export_adapter
+from kt_sft.integrations.prepare import prepare
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from test_peft_parity import batch, kt_and_reference
@@ -122,3 +126,30 @@ def test_per_expert_export_is_refused(tmp_path):
         tmp_path / "adapter")
     with pytest.raises(ValueError, match="granitemoe's experts exist only fused .* no runtime has the per-expert"):
         export_adapter(tmp_path / "adapter", tmp_path / "exported", tmp_path / "model")
+
+
+def test_granites_own_expert_names_as_lora_targets_get_the_warning():
+    # Stock PEFT refuses them (no linear layer); here they would reach no routed expert without a word.
+    model = tiny_model("granitemoe")
+    use_cpu_experts(model)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules=["q_proj", "input_linear", "output_linear"]))
+    with pytest.warns(RuntimeWarning, match=r"LoRA targets \['input_linear', 'output_linear'\] name the routed experts'"):
+        model(**batch(0))
+
+
+def test_what_a_granite_checkpoint_lacks_or_adds_beside_its_experts_is_named(tmp_path):
+    save_checkpoint(tiny_model("granitemoe"), tmp_path / "model")
+    state = load_file(str(tmp_path / "model" / "model.safetensors"))
+    extra = {**state, "model.layers.0.block_sparse_moe.input_linear.weight_g_idx": torch.zeros(6)}
+    save_file(extra, str(tmp_path / "model" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"has model.layers.0.block_sparse_moe.input_linear.weight_g_idx beside layer "
+                                         r"0's bf16 experts, which kt_sft does not read"):
+        prepare(tmp_path / "model", tmp_path / "prepared")
+    lacking = {k: v for k, v in state.items() if "layers.1.block_sparse_moe.input_linear" not in k
+               and "layers.1.block_sparse_moe.output_linear" not in k}
+    save_file(lacking, str(tmp_path / "model" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"has no model.layers.1.block_sparse_moe.input_linear.weight \(layer 1's "
+                                         r"routed experts, which granitemoe checkpoints hold fused\)"):
+        prepare(tmp_path / "model", tmp_path / "prepared")

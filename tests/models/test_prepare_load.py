@@ -135,6 +135,17 @@ def test_an_activation_other_than_silu_is_refused_before_reading_weights(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_gemma4_is_checked_by_the_field_its_experts_read():
+    # Gemma 4's experts read hidden_activation (GeGLU with the tanh gelu, which the engine computes); the exact gelu
+    # is another unit, whatever hidden_act says.
+    from kt_sft.models import architecture_of
+    config = CONFIGS["gemma4_text"]()
+    config.hidden_activation, config.hidden_act = "gelu", "gelu_pytorch_tanh"
+    with pytest.raises(ValueError, match="gemma4_text uses hidden_activation='gelu'; the CPU experts compute "
+                                         "gemma4_text's experts with gelu_pytorch_tanh or gelu_new only"):
+        architecture_of(config)
+
+
 def test_deepseek_v2_group_limited_routing_is_refused():
     # transformers 5.6's DeepseekV2Moe fails on that path at the first forward (stock too); prepare, which asks
     # architecture_of as it does for hidden_act, had accepted it.

@@ -226,7 +226,7 @@ def test_geglu_decode_matches(kernels):
 
 
 def test_the_geglu_unit_matches_torch_far_out_and_the_cubic_is_checked():
-    # Inputs far past the curve's bend (|g| up to 60: the sigmoid saturates, g³ is large) and the cubic's range.
+    # Inputs far past the curve's bend (|g| up to ~60: the sigmoid saturates, g³ is large) and the cubic's range.
     shape = Shape("wide", T=32, H=16, I=16, E=2, K=1)
     m = make_module(shape, lora=False, train_base=True, unit=GEGLU_TANH)
     x, idx, w, g = inputs(shape)
@@ -236,3 +236,23 @@ def test_the_geglu_unit_matches_torch_far_out_and_the_cubic_is_checked():
     gu, dn = m.base_weights()
     with pytest.raises(ValueError, match="a finite cubic >= 0"):
         kt_sft.KTExperts(gu, dn, unit=GEGLU_TANH._replace(cubic=-1.0))
+
+
+def test_geglu_at_extreme_values_matches_torch_element_for_element(kernels):
+    # Identity experts, so g = u = the token's value: h = gelu(v)·v. Where g³ overflows float32 (|v| > ~1e13) or the
+    # exact sigmoid is 0 but the kernels' exp saturates short of it (v ≪ 0), the cubic's g is bounded (kernel_body.h
+    # cubic_arg): no NaN, and no gradient where torch gives none.
+    n = 16
+    gu = torch.cat([torch.eye(n), torch.eye(n)]).bfloat16()[None]
+    m = kt_sft.KTExperts(gu, torch.eye(n).bfloat16()[None], unit=GEGLU_TANH)
+    values = torch.tensor([2e13, 1e13, 1e9, 30.0, 15.5, 3.0, 0.5, -0.5, -3.0, -15.5, -30.0, -1e8, -1e10, -2e13])
+    values = values.bfloat16().float()
+    x = values[:, None].repeat(1, n).requires_grad_(True)
+    y = m(x, torch.zeros(len(values), 1, dtype=torch.int64), torch.ones(len(values), 1))
+    y.backward(torch.ones_like(y))
+    v = values.double().requires_grad_(True)
+    ref = torch.nn.functional.gelu(v, approximate="tanh") * v
+    ref.backward(torch.ones_like(ref))
+    for got, want in ((y[:, 0], ref), (x.grad[:, 0], v.grad)):
+        assert torch.isfinite(got).all()
+        assert ((got.double() - want).abs() <= 1e-5 * want.abs() + 1e-6).all(), (values, got, want)
