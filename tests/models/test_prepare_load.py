@@ -85,6 +85,29 @@ def test_prepared_model_in_bf16_holds_stock_dtypes_and_values(saved, tmp_path, m
     assert compared > 10
 
 
+def test_gemma4_with_its_vision_tower_prepares_and_loads(tmp_path):
+    # The published Gemma 4 26B-A4B holds a vision tower beside the text model: its weights load as the stock
+    # model's (text batches here: images through Gemma 4 are not tested yet).
+    from tiny_models import GEMMA4_TEXT, GEMMA4_VISION
+    config = transformers.Gemma4Config(text_config=GEMMA4_TEXT, vision_config=GEMMA4_VISION)
+    torch.manual_seed(0)
+    stock = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(p.bfloat16().float())
+    save_checkpoint(stock, tmp_path / "src")
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
+                                                                     dtype=torch.float32)
+    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
+    vision = {n: p for n, p in stock.state_dict().items() if "vision" in n}
+    assert vision and all(torch.equal(model.state_dict()[n], p) for n, p in vision.items())
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(model(ids).logits, stock(ids).logits) <= FP32_IO
+
+
 def test_the_keys_a_models_class_skips_are_skipped(saved, tmp_path):
     # Qwen3-Next publishes its multi-token-prediction module as `mtp.*`, which transformers' model skips on load
     # (_keys_to_ignore_on_load_unexpected); refused as weights of no module, it had kept the model from loading.

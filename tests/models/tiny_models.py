@@ -19,6 +19,11 @@ GEMMA4_TEXT = dict(**{k: v for k, v in COMMON.items() if k != "hidden_act"}, hea
                    enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"])
 
+# Gemma 4 26B-A4B as published: the whole model with its vision tower (tiny; its o_proj is no nn.Linear, which the
+# parity tests' LoRA targets would reach).
+GEMMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+
 CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=96,
                                                       moe_intermediate_size=40, num_experts=8,
