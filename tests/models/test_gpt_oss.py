@@ -130,17 +130,24 @@ def stock_with_the_experts_of(stock, kt):
     return stock
 
 
-@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
-def test_a_bf16_checkpoint_prepared_to_a_quantized_format(tmp_path, expert_format):
-    # The fused, transposed and interleaved experts quantized expert by expert at load, their biases beside them.
-    stock = tiny_model("gpt_oss")
+def prepared_in_format(stock, tmp_path, expert_format: str):
+    """stock saved as a BF16 checkpoint, prepared with --expert-format expert_format and loaded (float32 outside the
+    experts), its two MoE layers' experts in that format."""
     save_checkpoint(stock, tmp_path / "model")
     assert run(["prepare", str(tmp_path / "model"), str(tmp_path / "prepared"), "--expert-format",
                 expert_format]) == 0
     kt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
                                                            dtype=torch.float32)
+    assert [m.expert_format for m in kt.modules() if isinstance(m, KTExpertsLinear)] == [expert_format] * 2
+    return kt
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
+def test_a_bf16_checkpoint_prepared_to_a_quantized_format(tmp_path, expert_format):
+    # The fused, transposed and interleaved experts quantized expert by expert at load, their biases beside them.
+    stock = tiny_model("gpt_oss")
+    kt = prepared_in_format(stock, tmp_path, expert_format)
     experts = [m for m in kt.modules() if isinstance(m, KTExpertsLinear)]
-    assert [m.expert_format for m in experts] == [expert_format] * 2
     assert all(m.gate_up_proj_bias is not None and m.unit == architecture_of(stock.config).unit for m in experts)
     ids = batch(7)["input_ids"]
     with torch.no_grad():

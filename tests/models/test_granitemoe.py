@@ -1,9 +1,10 @@
 """Granite MoE (granitemoe, granitemoeshared, granitemoehybrid): the stock block holds its experts as input_linear and
 output_linear beside the router, which kt_sft holds as one experts module (models/granitemoe.py). Full fine-tuning
-against stock transformers; state dicts in the stock names both ways; FP8/INT4 experts from a BF16 checkpoint; what
-cannot be done named. test_peft_parity compares logits with the stock model, and LoRA steps and generation with
-stock PEFT whose experts (ReferenceExperts) the block calls as kt_sft's does (routed_forward, which the logits and
-the full-mode grads here check against the stock block). Prepare and load are in test_prepare_load, kt-sft merge in
+against stock transformers is in test_full_mode; here, state dicts in the stock names both ways, FP8/INT4 experts
+from a BF16 checkpoint, what cannot be done named. test_peft_parity compares logits with the stock model, and LoRA
+steps and generation with stock PEFT whose experts (ReferenceExperts) the block calls as kt_sft's does
+(routed_forward, which the logits and test_full_mode's grads check against the stock block). Prepare and load are in
+test_prepare_load, kt-sft merge in
 test_merge, the shared MLP's overlap in test_shared_overlap, CUDA in test_gpu_hybrid, llamafactory-cli in
 tests/integration/test_llamafactory_architectures.py."""
 import copy
@@ -19,11 +20,11 @@ from kt_sft.integrations.export import export_adapter
 from kt_sft.integrations.prepare import prepare
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
+from test_gpt_oss import prepared_in_format
 from test_peft_parity import batch, kt_and_reference
 from tiny_models import save_checkpoint, tiny_model
 from tolerances import BF16_GRAD, FP32_IO, MERGED_BF16, rel_l2
 
-GRANITES = ["granitemoe", "granitemoeshared", "granitemoehybrid"]
 # Transformers 5.6's names of the experts' weights (later ones hold them as ours).
 STOCK = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight"}
 
@@ -42,32 +43,6 @@ def stock_experts(block) -> tuple:
     if hasattr(block, "experts"):
         return block.experts.gate_up_proj, block.experts.down_proj
     return block.input_linear.weight, block.output_linear.weight
-
-
-@pytest.mark.parametrize("model_type", GRANITES)
-def test_full_mode_gradients_match_stock_model(model_type):
-    # The router's grads too: the block's forward takes its top-k and softmax from the router's logits.
-    stock = tiny_model(model_type).train()
-    kt = copy.deepcopy(stock)
-    use_cpu_experts(kt)
-    kt.requires_grad_(True)
-    ids = batch(0)["input_ids"]
-    for model in (stock, kt):
-        for micro in range(2):  # two micro-batches: the grads accumulate
-            model(input_ids=ids.roll(micro, 1), labels=ids.roll(micro, 1)).loss.backward()
-    stock_grads = {n: p.grad for n, p in stock.named_parameters()}
-    experts = {n for n, m in kt.named_modules() if isinstance(m, KTExpertsLinear)}
-    checked = 0
-    for name, p in kt.named_parameters():
-        ref = stock_of(stock_grads, name)
-        if name.rpartition(".")[0] in experts:
-            assert p.grad.dtype == torch.bfloat16
-            assert rel_l2(p.grad, ref) <= BF16_GRAD, name
-            checked += 1
-        else:
-            assert rel_l2(p.grad, ref) <= FP32_IO, name
-    assert checked == 4  # gate_up_proj and down_proj of both MoE layers
-    assert set(kt.state_dict()) == set(stock.state_dict())  # the stock names
 
 
 def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path):
@@ -99,13 +74,8 @@ def test_a_stock_state_dict_loads_into_the_engine(strict):
 def test_a_bf16_checkpoint_prepared_to_a_quantized_format(tmp_path, expert_format):
     # The fused experts read from input_linear / output_linear and quantized expert by expert at load.
     stock = tiny_model("granitemoe")
-    save_checkpoint(stock, tmp_path / "model")
-    assert run(["prepare", str(tmp_path / "model"), str(tmp_path / "prepared"), "--expert-format",
-                expert_format]) == 0
-    kt = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
-                                                           dtype=torch.float32)
+    kt = prepared_in_format(stock, tmp_path, expert_format)
     experts = {n: m for n, m in kt.named_modules() if isinstance(m, KTExpertsLinear)}
-    assert [m.expert_format for m in experts.values()] == [expert_format] * 2
     for name, module in experts.items():  # the stock model on the weights the engine computes with (dequantized)
         block = stock.get_submodule(name.removesuffix(".experts"))
         with torch.no_grad():

@@ -14,7 +14,7 @@ from kt_sft.cli import run
 from kt_sft.integrations import modeling
 from kt_sft.ops import timing
 from kt_sft.peft.layer import KTExpertsLinear
-from tiny_models import CONFIGS, auto_class, save_checkpoint, tiny_model
+from tiny_models import CONFIGS, auto_class, experts_rounded_to_bf16, save_checkpoint, tiny_model
 from tolerances import FP32_IO, rel_l2
 
 
@@ -91,12 +91,8 @@ def test_gemma4_with_its_vision_tower_prepares_and_loads(tmp_path):
     from tiny_models import GEMMA4_TEXT, GEMMA4_VISION
     config = transformers.Gemma4Config(text_config=GEMMA4_TEXT, vision_config=GEMMA4_VISION)
     torch.manual_seed(0)
-    stock = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(p.bfloat16().float())
-    save_checkpoint(stock, tmp_path / "src")
+    stock = experts_rounded_to_bf16(transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32))
+    save_checkpoint(stock.eval(), tmp_path / "src")
     assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "out")]) == 0
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
                                                                      dtype=torch.float32)
@@ -130,11 +126,7 @@ def test_minimax_m2s_rotary_dim_is_read_as_its_partial_rotary_factor(tmp_path, w
     config = CONFIGS["minimax_m2"]()
     config.rope_parameters = {**config.rope_parameters, "partial_rotary_factor": 0.5}
     torch.manual_seed(0)
-    stock = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(p.bfloat16().float())
+    stock = experts_rounded_to_bf16(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)).eval()
     save_checkpoint(stock, tmp_path / "src")
     published = json.loads((tmp_path / "src" / "config.json").read_text())
     rope = {k: v for k, v in published.pop("rope_parameters").items() if k != "partial_rotary_factor"}

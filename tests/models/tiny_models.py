@@ -166,17 +166,25 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
     and the CPU engine compute on identical weights."""
     torch.manual_seed(seed)
     config = CONFIGS[model_type]()
-    model = model_class(config).from_config(config, dtype=torch.float32)
+    model = experts_rounded_to_bf16(model_class(config).from_config(config, dtype=torch.float32))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "input_linear.weight",
-                              "output_linear.weight")):  # Granite's experts: input_linear, output_linear
-                p.copy_(p.bfloat16().float())
             if "e_score_correction_bias" in name:  # deepseek/glm/minimax: make the bias matter
                 p.normal_(0, 0.1)
             if name.endswith("experts.gate_up_proj_bias"):  # gpt_oss: wide enough that some g and u pass the clamps
                 p.normal_(0, 4)
     return model.eval()
+
+
+def experts_rounded_to_bf16(model):
+    """model with its routed experts' weights rounded to BF16 in place (Granite's as input_linear and output_linear,
+    transformers 5.6's names for them)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "block_sparse_moe.input_linear.weight",
+                              "block_sparse_moe.output_linear.weight")):
+                p.copy_(p.bfloat16().float())
+    return model
 
 
 def auto_class(model_type: str):

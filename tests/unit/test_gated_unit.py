@@ -45,10 +45,15 @@ def full_mode_check(got, ref, shape, tol):
     check(got, ref, tol, shape)
 
 
+# Each unit's make_module arguments: GPT-OSS's with its biases.
+UNITS = {"gpt_oss": dict(gpt_oss=True), "geglu": dict(unit=GEGLU_TANH)}
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
-def test_gpt_oss_experts_parity_fp32(kernels, shape, mode):
-    m = make_module(shape, lora=mode != "full", train_base=mode == "full", gpt_oss=True)
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_experts_parity_fp32(kernels, shape, mode, unit):
+    m = make_module(shape, lora=mode != "full", train_base=mode == "full", **UNITS[unit])
     x, idx, w, g = inputs(shape)
     got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
     if mode == "full":
@@ -66,8 +71,9 @@ def test_the_cases_cross_the_clamps():
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5]], ids=lambda s: s.name)
-def test_gpt_oss_experts_bf16_activations(kernels, shape):
-    m = make_module(shape, lora=True, gpt_oss=True)
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_experts_bf16_activations(kernels, shape, unit):
+    m = make_module(shape, lora=True, **UNITS[unit])
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
           for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
@@ -76,8 +82,9 @@ def test_gpt_oss_experts_bf16_activations(kernels, shape):
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2)],
                          ids=lambda s: s.name)
 @pytest.mark.parametrize("mode", ["lora", "full"])
-def test_gpt_oss_experts_on_tiles(tiles, shape, mode):
-    m = make_module(shape, lora=True, train_base=mode == "full", gpt_oss=True)
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_experts_on_tiles(tiles, shape, mode, unit):
+    m = make_module(shape, lora=True, train_base=mode == "full", **UNITS[unit])
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
     got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
     tol = for_kernels(tiles, BF16_IO, bf16_activations=True)
@@ -90,17 +97,19 @@ def test_gpt_oss_experts_on_tiles(tiles, shape, mode):
 @pytest.mark.parametrize("expert_format", ["fp8", "int4"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpt_oss_experts_quantized(kernels, expert_format, shape, dtype):
-    m = make_module(shape, lora=True, expert_format=expert_format, gpt_oss=True)
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_experts_quantized(kernels, expert_format, shape, dtype, unit):
+    m = make_module(shape, lora=True, expert_format=expert_format, **UNITS[unit])
     x, idx, w, g = inputs(shape, dtype=dtype)
     tol = for_quantized_kernels(kernels, FP32_IO if dtype == torch.float32 else BF16_IO,
                                 bf16_activations=dtype == torch.bfloat16)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), tol, shape)
 
 
-def test_gpt_oss_decode_matches(kernels):
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_decode_matches(kernels, unit):
     shape = SHAPES[3]
-    m = make_module(shape, lora=True, gpt_oss=True).eval()
+    m = make_module(shape, lora=True, **UNITS[unit]).eval()
     x, idx, w, _ = inputs(shape)
     with torch.no_grad():
         y = m(x, idx, w)
@@ -176,53 +185,6 @@ def test_moves_keep_the_order_of_parameters():
     m.to(torch.float64)
     assert [n for n, _ in m.named_parameters()] == names
     assert m.down_proj_bias.dtype == torch.float64 and m.gate_up_proj_bias.dtype == torch.float32
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("mode", ["lora", "full", "frozen"])
-def test_geglu_experts_parity_fp32(kernels, shape, mode):
-    m = make_module(shape, lora=mode != "full", train_base=mode == "full", unit=GEGLU_TANH)
-    x, idx, w, g = inputs(shape)
-    got, ref = run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g)
-    if mode == "full":
-        full_mode_check(got, ref, shape, FP32_IO)
-    else:
-        check(got, ref, FP32_IO, shape)
-
-
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[5]], ids=lambda s: s.name)
-def test_geglu_experts_bf16_activations(kernels, shape):
-    m = make_module(shape, lora=True, unit=GEGLU_TANH)
-    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
-    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_kernels(kernels, BF16_IO, bf16_activations=True), shape)
-
-
-@pytest.mark.parametrize("shape", [SHAPES[0], Shape("tile_multiples", T=96, H=128, I=64, E=4, K=2)],
-                         ids=lambda s: s.name)
-def test_geglu_experts_on_tiles(tiles, shape):
-    m = make_module(shape, lora=True, unit=GEGLU_TANH)
-    x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
-    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_kernels(tiles, BF16_IO, bf16_activations=True), shape)
-
-
-@pytest.mark.parametrize("expert_format", ["fp8", "int4"])
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[4]], ids=lambda s: s.name)
-def test_geglu_experts_quantized(kernels, expert_format, shape):
-    m = make_module(shape, lora=True, expert_format=expert_format, unit=GEGLU_TANH)
-    x, idx, w, g = inputs(shape)
-    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g),
-          for_quantized_kernels(kernels, FP32_IO, bf16_activations=False), shape)
-
-
-def test_geglu_decode_matches(kernels):
-    shape = SHAPES[3]
-    m = make_module(shape, lora=True, unit=GEGLU_TANH).eval()
-    x, idx, w, _ = inputs(shape)
-    with torch.no_grad():
-        y = m(x, idx, w)
-    assert rel_l2(y, run_reference(m, x, idx, w, torch.zeros_like(x))["y"]) <= FP32_IO
 
 
 def test_the_geglu_unit_matches_torch_far_out_and_the_cubic_is_checked():
