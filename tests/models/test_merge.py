@@ -25,9 +25,10 @@ from quantized_checkpoints import kimi_k25_checkpoint
 from test_export_adapter import trained_adapter
 from test_quantized_models import IDS, LORA_TARGETS, load, published  # noqa: F401 (published: the fixture)
 from test_llama4 import batch as llama4_batch
+from test_peft_parity import kt_and_reference
 from tiny_models import (auto_class, image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint,
                          tiny_model)
-from tolerances import FP32_IO, rel_l2
+from tolerances import FP32_IO, MERGED_BF16, rel_l2
 
 
 def updates_of(peft_model) -> dict:
@@ -65,6 +66,22 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     assert sorted(p.name for p in (tmp_path / "merged").iterdir()) == sorted(
         p.name for p in model_dir.iterdir()
         if p.name not in ("consolidated.00.pth", "original", "model.safetensors.index.json"))
+
+
+# GPT-OSS's module holds its experts transposed, gate's and up's outputs interleaved; transformers 5.6's Granite as
+# input_linear / output_linear: a merged save_pretrained keeps the stock layout and names, which stock loads.
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granitemoeshared"])
+def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path, model_type):
+    kt, _ = kt_and_reference(model_type)
+    with torch.no_grad():
+        adapter = kt(IDS).logits
+    merged = kt.merge_and_unload()
+    shapes = {k: t.shape for k, t in tiny_model(model_type).state_dict().items()}
+    assert {k: t.shape for k, t in merged.state_dict().items()} == shapes
+    merged.save_pretrained(tmp_path)
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(stock(IDS).logits, adapter) <= MERGED_BF16
 
 
 # Each writes the tiny model's weights as published.
