@@ -71,7 +71,8 @@ def rel_l2(a, ref) -> float:
 
 # Five AdamW steps of a tiny model, engine vs stock model + reference experts, all float32: per-step
 # gradients differ by ~1e-7 (FP32_IO-level arithmetic differences); Adam divides by sqrt(v), which keeps
-# relative differences of the gradients as relative differences of the updates, and 5 steps compound
+# relative differences of the gradients as relative differences of the updates (for gradient elements well above
+# its eps, which the parity tests set to 1e-6: test_peft_parity.train_alike), and 5 steps compound
 # them a few times: 1e-5 on losses and LoRA weights leaves a 10x margin over what was measured (~1e-6).
 TRAIN_STEPS = 1e-5
 

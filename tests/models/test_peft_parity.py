@@ -110,7 +110,10 @@ def train_alike(kt, ref, batch_of):
     names = lora_tensors(kt)
     assert set(names) == set(lora_tensors(ref)), "both models train the same LoRA tensors"
     assert any("experts.lora_A" in n for n in names)
-    opts = [torch.optim.AdamW(lora_tensors(m).values(), lr=1e-3) for m in (kt, ref)]
+    # eps 1e-6, not 1e-8: Adam moves an element whose gradient is near eps by ~lr whatever its size, so a gradient
+    # element at ~1e-8 (Granite 4.0-H's tiny model has some) turned float32's ~1e-9 absolute difference into an
+    # update difference of ~5e-5; well above eps, updates are as with 1e-8.
+    opts = [torch.optim.AdamW(lora_tensors(m).values(), lr=1e-3, eps=1e-6) for m in (kt, ref)]
     for step in range(5):
         losses = []
         for model, opt in zip((kt, ref), opts):
