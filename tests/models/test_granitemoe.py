@@ -87,7 +87,8 @@ def test_granites_own_expert_names_as_lora_targets_get_the_warning():
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                        target_modules=["q_proj", "input_linear", "output_linear"]))
-    with pytest.warns(RuntimeWarning, match=r"LoRA targets \['input_linear', 'output_linear'\] name the routed experts'"):
+    with pytest.warns(RuntimeWarning,
+                      match=r"LoRA targets \['input_linear', 'output_linear'\] name the routed experts'"):
         model(**batch(0))
 
 
