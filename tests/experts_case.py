@@ -7,7 +7,7 @@ import torch
 
 import kt_sft
 from kt_sft.formats import QuantizedExperts
-from kt_sft.ops.reference import GPT_OSS_GLU, Glu, LoraWeights, moe_experts_reference
+from kt_sft.ops.reference import GPT_OSS_GLU, SWIGLU, Glu, LoraWeights, moe_experts_reference
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,10 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
                 unit: Glu | None = None) -> kt_sft.KTExperts:
     """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values. gpt_oss: with biases
     and GPT-OSS's clamped unit; the gate/up bias spread wide enough (σ 4) that many g and u pass the clamps (±7).
-    unit: another gated unit than SwiGLU (GEGLU_TANH)."""
+    unit: another unit than SwiGLU (GEGLU_TANH, or RELU2 without a gate: up's rows alone)."""
     gen = torch.Generator().manual_seed(seed)
     E, H, I = shape.E, shape.H, shape.I
-    gu = (torch.randn(E, 2 * I, H, generator=gen) / H**0.5).bfloat16()
+    gu = (torch.randn(E, (unit or SWIGLU).stacked * I, H, generator=gen) / H**0.5).bfloat16()
     dn = (torch.randn(E, H, I, generator=gen) / I**0.5).bfloat16()
     kwargs = dict(train_base=train_base, identity_experts=identity_experts)
     if gpt_oss:
@@ -51,7 +51,7 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
     if expert_format == "bf16":
         m = kt_sft.KTExperts(gu, dn, **kwargs)
     else:
-        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn), **kwargs)
+        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn, (unit or SWIGLU).gated), **kwargs)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # A drawn here too (add_lora's init uses the global RNG, which differs between runs

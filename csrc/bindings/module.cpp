@@ -119,11 +119,11 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<MoeExperts, std::shared_ptr<MoeExperts>>(m, "Engine")
       .def(py::init([](int E, int H, int I, py::object gu, py::object down, py::object gu_scale, py::object down_scale,
-                       py::object gu_bias, float alpha, float limit, float up_offset, float cubic) {
+                       py::object gu_bias, float alpha, float limit, float up_offset, float cubic, bool gated) {
              ExpertWeights w{to_view(gu), to_view(down), to_view(gu_scale), to_view(down_scale), to_view(gu_bias)};
              // Construction checks quantized weights on the pool, so it runs after calls in flight.
              std::shared_ptr<MoeExperts> engine;
-             const Glu glu{alpha, limit, up_offset, cubic};
+             const Glu glu{alpha, limit, up_offset, cubic, gated};
              start([&] { engine = std::make_shared<MoeExperts>(E, H, I, w, glu); }, true)->wait();
              return engine;
            }),
@@ -131,7 +131,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("gate_up_scale") = py::none(), py::arg("down_scale") = py::none(),
            py::arg("gate_up_bias") = py::none(), py::arg("glu_alpha") = 1.f,
            py::arg("glu_limit") = std::numeric_limits<float>::infinity(), py::arg("glu_up_offset") = 0.f,
-           py::arg("glu_cubic") = 0.f,
+           py::arg("glu_cubic") = 0.f, py::arg("glu_gated") = true,
            // The engine reads its weights by pointer: it holds their views (each carries its tensor), and every
            // call holds the engine, so a call still queued while the interpreter exits reads no freed weights.
            py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>(), py::keep_alive<1, 8>(),

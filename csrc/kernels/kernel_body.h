@@ -617,7 +617,31 @@ struct Scalar1 {  // the tail's one-lane ops, the same arithmetic as Simd's lane
   static V zero_where_ge(V a, V b, V v) { return a >= b ? 0.f : v; }
 };
 
+// Without a gate, h = relu(u)² and du = dh·2·relu(u). As torch's relu, a NaN u passes on (maxps returns its second
+// operand where either is NaN).
+void relu2(long n, const float* u, float* h) {
+  long i = 0;
+  for (; i + W <= n; i += W) {
+    const V r = Simd::max(Simd::set1(0.f), Simd::load(u + i));
+    Simd::store(h + i, Simd::mul(r, r));
+  }
+  for (; i < n; ++i) {
+    const float r = Scalar1::max(0.f, u[i]);
+    h[i] = r * r;
+  }
+}
+
+void relu2_backward(long n, const float* u, const float* dh, float* du) {
+  long i = 0;
+  for (; i + W <= n; i += W) {
+    const V r = Simd::max(Simd::set1(0.f), Simd::load(u + i));
+    Simd::store(du + i, Simd::mul(Simd::load(dh + i), Simd::add(r, r)));
+  }
+  for (; i < n; ++i) du[i] = dh[i] * 2.f * Scalar1::max(0.f, u[i]);
+}
+
 void glu(long n, const float* g, const float* u, float* h, const kt::Glu& f) {
+  if (!f.gated) return relu2(n, u, h);
   long i = 0;
   for (; i + W <= n; i += W) {
     V gl, s;
@@ -653,6 +677,7 @@ inline void glu_backward_lane(typename S::V gv, typename S::V uv, typename S::V 
 }
 
 void glu_backward(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const kt::Glu& f) {
+  if (!f.gated) return relu2_backward(n, u, dh, du);
   long i = 0;
   for (; i + W <= n; i += W) {
     V dgv, duv;

@@ -19,11 +19,13 @@ namespace kt {
 // a(g') = g'·sigmoid(alpha·(g' + cubic·g'³)). The defaults give SwiGLU, silu(g)·u; GPT-OSS's experts use alpha
 // 1.702, limit 7 and up_offset 1; GeGLU's tanh-approximated gelu (Gemma 4), 0.5·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))),
 // is alpha 2·√(2/π) and cubic 0.044715 (0.5·(1 + tanh(z)) = sigmoid(2z)).
+// Experts without a gate (gated false: Nemotron-H's) compute h = relu(u)², from up alone; the other fields are unused.
 struct Glu {
   float alpha = 1.f;
   float limit = __builtin_inff();
   float up_offset = 0.f;
   float cubic = 0.f;
+  bool gated = true;
 };
 
 // The experts' weight format (moe/experts.h says how it follows from the weights' dtype).
@@ -213,9 +215,9 @@ struct KernelSet {
   // As gemm_nt_bf16_act, for INT4 weights.
   void (*gemm_nt_int4_act)(const GemmNT<int4_group>&);
   void (*gemm_nn_int4)(const GemmNN<int4_group>&);
-  // h = glu(g, u) (Glu above)
+  // h = glu(g, u) (Glu above); g is not read (and may be null) for a unit without a gate.
   void (*glu)(long n, const float* g, const float* u, float* h, const Glu& f);
-  // Given dh: dg = dh · ∂h/∂g, du = dh · ∂h/∂u. Overwrites dg, du.
+  // Given dh: dg = dh · ∂h/∂g, du = dh · ∂h/∂u. Overwrites dg, du; without a gate only du (g and dg may be null).
   void (*glu_backward)(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const Glu& f);
   void (*bf16_to_f32)(long n, const bf16* src, float* dst);
   void (*f32_to_bf16)(long n, const float* src, bf16* dst);

@@ -45,7 +45,8 @@ void check_backward_copy(const MoeExperts& m, const BackwardCopy& copy) {
   if (m.format() != Format::bf16)
     throw std::invalid_argument(std::string("the backward copy is for BF16 experts, but these are ") +
                                 format_name(m.format()) + "; train without KT_SFT_BACKWARD_COPY.");
-  expect(copy.gate_up, "backward copy of gate_up", DType::bf16, {m.E(), 2, backward_copy_elems(m.I(), m.H())});
+  expect(copy.gate_up, "backward copy of gate_up", DType::bf16,
+         {m.E(), m.stacked(), backward_copy_elems(m.I(), m.H())});
   expect(copy.down, "backward copy of down", DType::bf16, {m.E(), backward_copy_elems(m.H(), m.I())});
 }
 
@@ -53,7 +54,8 @@ const bf16* backward_copy_at(const MoeExperts& m, const BackwardCopy& copy, int 
   long out, in;
   dims(m, p, out, in);
   const bf16* matrix = p == DOWN ? copy.down.as<bf16>() + e * backward_copy_elems(out, in)
-                                 : copy.gate_up.as<bf16>() + (2L * e + p) * backward_copy_elems(out, in);
+                                 : copy.gate_up.as<bf16>() + (long(m.stacked()) * e + m.stack_index(p)) *
+                                                                    backward_copy_elems(out, in);
   return matrix + (col0 / 16) * blocks32(out) * kTile;
 }
 
@@ -61,7 +63,9 @@ void pack_backward_copy(const MoeExperts& m, const BackwardCopy& copy, Runtime& 
   check_backward_copy(m, copy);
   // One work item per (expert, projection, reduction block): its 32 rows read once, contiguously, into their
   // tiles of every block column.
-  const long blocks[3] = {backward_copy_blocks(m, GATE), backward_copy_blocks(m, UP), backward_copy_blocks(m, DOWN)};
+  // Without a gate (up's rows alone in gate_up) gate has none.
+  const long blocks[3] = {m.glu().gated ? backward_copy_blocks(m, GATE) : 0, backward_copy_blocks(m, UP),
+                          backward_copy_blocks(m, DOWN)};
   const long per_expert = blocks[GATE] + blocks[UP] + blocks[DOWN];
   rt.parallel_for(m.E() * per_expert, [&](long item, int) {
     const int e = int(item / per_expert);
@@ -71,7 +75,7 @@ void pack_backward_copy(const MoeExperts& m, const BackwardCopy& copy, Runtime& 
     long out, in;
     dims(m, p, out, in);
     const bf16* w = p == DOWN ? m.weights().down.as<bf16>() + long(e) * out * in
-                              : m.weights().gate_up.as<bf16>() + (2L * e + p) * out * in;
+                              : m.weights().gate_up.as<bf16>() + (long(m.stacked()) * e + m.stack_index(p)) * out * in;
     pack_backward_block(w, out, in, kc, const_cast<bf16*>(backward_copy_at(m, copy, e, p, 0)));
   });
 }

@@ -8,7 +8,8 @@
 // 512 BF16 at (j·ceil(out/32) + kc)·512, tile row q holding rows 32·kc + 2q and + 1 interleaved over its 16
 // columns, zeros past `in` and `out`. A pair of block columns (32 columns from 32·(j/2)) keeps unpack_pair's
 // order (tile_body.h): slot s of block column j is column 32·(j/2) + 8·(s/4) + 4·(j%2) + s%4.
-//   gate_up copy [E, 2, 2·ceil(H/32)·ceil(I/32)·512]: gate's matrix [I, H], then up's
+//   gate_up copy [E, 2, 2·ceil(H/32)·ceil(I/32)·512]: gate's matrix [I, H], then up's ([E, 1, ...]: up's alone
+//   for experts without a gate)
 //   down copy    [E, 2·ceil(I/32)·ceil(H/32)·512]:    down's matrix [H, I]
 #pragma once
 #include "experts.h"

@@ -439,7 +439,7 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
     : E_(E), H_(H), I_(I), w_(w), glu_(glu) {
   if (E < 1 || H < 1 || I < 1) throw std::invalid_argument("experts need E, H and I of at least 1.");
   if (w.gate_up.empty() || w.down.empty()) throw std::invalid_argument("experts need gate_up_proj and down_proj.");
-  const long bs = fp8_block::BLOCK, gs = int4_group::GROUP;
+  const long bs = fp8_block::BLOCK, gs = int4_group::GROUP, SI = long(stacked()) * I;
   switch (w.gate_up.dtype) {
     case DType::bf16: format_ = Format::bf16; break;
     case DType::fp8_e4m3: format_ = Format::fp8_block128; break;
@@ -450,22 +450,22 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
                                   "(packed INT4 group-32).");
   }
   if (format_ == Format::bf16) {
-    expect(w.gate_up, "gate_up_proj", DType::bf16, {E, 2L * I, H});
+    expect(w.gate_up, "gate_up_proj", DType::bf16, {E, SI, H});
     expect(w.down, "down_proj", DType::bf16, {E, H, I});
     if (!w.gate_up_scale.empty() || !w.down_scale.empty())
       throw std::invalid_argument("BF16 expert weights take no scales; pass scales only with FP8 or INT4 weights.");
   } else if (format_ == Format::fp8_block128) {
-    expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, 2L * I, H});
+    expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, SI, H});
     expect(w.down, "down_proj", DType::fp8_e4m3, {E, H, I});
-    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32, {E, 2, ceil_div(I, bs), ceil_div(H, bs)});
+    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32, {E, stacked(), ceil_div(I, bs), ceil_div(H, bs)});
     expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, bs), ceil_div(I, bs)});
   } else {
-    expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, 2L * I, ceil_div(H, 8)});
+    expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, SI, ceil_div(H, 8)});
     expect(w.down, "down_proj (packed INT4)", DType::i32, {E, H, ceil_div(I, 8)});
-    expect(w.gate_up_scale, "gate_up scale (weight_scale)", DType::bf16, {E, 2L * I, ceil_div(H, gs)});
+    expect(w.gate_up_scale, "gate_up scale (weight_scale)", DType::bf16, {E, SI, ceil_div(H, gs)});
     expect(w.down_scale, "down scale (weight_scale)", DType::bf16, {E, H, ceil_div(I, gs)});
   }
-  if (!w.gate_up_bias.empty()) expect_float(w.gate_up_bias, "gate_up_proj_bias", {E, 2L * I});
+  if (!w.gate_up_bias.empty()) expect_float(w.gate_up_bias, "gate_up_proj_bias", {E, SI});
   if (!(glu.alpha > 0.f) || !(glu.limit > 0.f) || !std::isfinite(glu.up_offset) || !(glu.cubic >= 0.f) ||
       !std::isfinite(glu.cubic))
     throw std::invalid_argument("the gated unit needs alpha > 0, limit > 0 (infinity: no clamp), a finite offset and "
@@ -475,7 +475,7 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
 
 void MoeExperts::add_bias(int e, int p, long c0, long n, int rows, float* c) const {
   if (w_.gate_up_bias.empty()) return;
-  const long at = (long(e) * 2 + p) * I_ + c0;
+  const long at = (long(e) * stacked() + stack_index(p)) * I_ + c0;
   float b[BLOCK];
   for (long j0 = 0; j0 < n; j0 += BLOCK) {  // n is a column block's width, at most BLOCK, unless a caller widens it
     const long m = std::min<long>(BLOCK, n - j0);
@@ -540,7 +540,8 @@ template <class F>
 void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
   const long I = I_, H = H_;
   const long out = p == DOWN ? H : I, in = p == DOWN ? I : H;
-  const long first = p == DOWN ? long(e) * H : (long(e) * 2 + p) * I;  // projection's row 0 in its stack
+  const long stack = long(e) * stacked() + stack_index(p);
+  const long first = p == DOWN ? long(e) * H : stack * I;  // projection's row 0 in its stack
   const View& data = p == DOWN ? w_.down : w_.gate_up;
   const View& scale = p == DOWN ? w_.down_scale : w_.gate_up_scale;
   switch (format_) {
@@ -549,7 +550,7 @@ void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
       break;
     case Format::fp8_block128: {
       const long bs = fp8_block::BLOCK, nbi = ceil_div(in, bs);
-      const long grid = (p == DOWN ? long(e) : long(e) * 2 + p) * ceil_div(out, bs) * nbi;
+      const long grid = (p == DOWN ? long(e) : stack) * ceil_div(out, bs) * nbi;
       f(Rows<fp8_block>{data.as<uint8_t>() + first * in, in, scale.as<float>() + grid, nbi, row0});
       break;
     }
@@ -584,6 +585,7 @@ void MoeExperts::check_lora(const Lora& lora) const {
     if (lora.A[p].empty() != lora.B[p].empty())
       throw std::invalid_argument(std::string("LoRA on ") + names[p] + " needs both A and B.");
     if (lora.A[p].empty()) continue;
+    if (p == GATE && !glu_.gated) throw std::invalid_argument("these experts have no gate, so no LoRA on gate.");
     if (lora.r < 1) throw std::invalid_argument("LoRA rank must be at least 1.");
     expect(lora.A[p], (std::string("lora_A of ") + names[p]).c_str(), DType::f32, {E_, lora.r, in[p]});
     expect(lora.B[p], (std::string("lora_B of ") + names[p]).c_str(), DType::f32, {E_, outd[p], lora.r});
@@ -632,7 +634,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   std::vector<const float*> xrows(N);
   for (long i = 0; i < N; ++i) xrows[i] = X + long(sv->slot_token[i]) * H;
 
-  float* G = save ? alloc_saved(*sv, sv->g, N * I) : sc.get(Scratch::DG, N * I);
+  float* G = !glu_.gated ? nullptr : save ? alloc_saved(*sv, sv->g, N * I) : sc.get(Scratch::DG, N * I);
   float* U = save ? alloc_saved(*sv, sv->u, N * I) : sc.get(Scratch::DU, N * I);
   float* Hh = sc.get(Scratch::HH, N * I);
   float* Z[3] = {};
@@ -740,16 +742,16 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     const auto [e, i0] = gate_up_of(it);
     const int n = rows_of(*sv, e), ib = int(std::min<long>(gw, I - i0));
     float* dst[2] = {G, U};
-    for (int p = GATE; p <= UP; ++p) {
+    for (int p = first_proj(); p <= UP; ++p) {
       float* c = dst[p] + sv->offset[e] * I + i0;
-      const Upcoming next = p == GATE ? gate_up_rows(it, UP) : after;
+      const Upcoming next = p == UP ? after : gate_up_rows(it, UP);
       project(e, p, i0, ib, int(H), tp.at(XT, e, H), gathered(xrows, *sv, e), c, I, next);
       if (Z[p]) lora_out(ks, lora, p, e, I, n, Z[p] + sv->offset[e] * r, bt[p], i0, ib, c, I);
       add_bias(e, p, i0, ib, n, c);
     }
     for (int m = 0; m < n; ++m) {
       long o = (sv->offset[e] + m) * I + i0;
-      ks.glu(ib, G + o, U + o, Hh + o, glu_);
+      ks.glu(ib, G ? G + o : nullptr, U + o, Hh + o, glu_);
     }
     if (tp.on(e)) tp.tk->pack_nt(n, int(I), i0, ib, slot_rows(Hh, *sv, e, I), tp.at(HT, e, I));
   };
@@ -809,7 +811,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
     std::atomic<bool> failed{false};  // waiting threads give up once an item threw (the pool rethrows it)
     rt.parallel_for_ahead(gate_up_items + down_items, [&](long it, long next_it, int ith) {
       const Upcoming next = next_it < 0               ? Upcoming{}
-                            : next_it < gate_up_items ? gate_up_rows(next_it, GATE)
+                            : next_it < gate_up_items ? gate_up_rows(next_it, first_proj())
                                                       : down_rows(next_it - gate_up_items);
       try {
         if (it < gate_up_items) {
@@ -839,7 +841,7 @@ std::shared_ptr<Saved> MoeExperts::forward(const View& x, const View& idx, const
   } else {
     phase("forward.gate_up");
     rt.parallel_for_ahead(gate_up_items, [&](long it, long next_it, int) {
-      gate_up_item(it, next_it >= 0 ? gate_up_rows(next_it, GATE) : Upcoming{});
+      gate_up_item(it, next_it >= 0 ? gate_up_rows(next_it, first_proj()) : Upcoming{});
     });
     phase("forward.lora_in_down");
     if (Z[DOWN])
@@ -880,11 +882,12 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   if (format_ != Format::bf16 && (!gr.d_gate_up.empty() || !gr.d_down.empty()))
     throw std::invalid_argument(std::string("full-parameter training of ") + format_name(format_) +
                                 " expert weights is not supported; load the experts in BF16 to train them.");
-  if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, 2 * I, H});
+  const long SI = long(stacked()) * I;
+  if (!gr.d_gate_up.empty()) expect_float(gr.d_gate_up, "grad of gate_up_proj", {E_, SI, H});
   if (!gr.d_down.empty()) expect_float(gr.d_down, "grad of down_proj", {E_, H, I});
   if (!gr.d_gate_up_bias.empty()) {
     if (w_.gate_up_bias.empty()) throw std::invalid_argument("a gate_up bias grad was asked of experts without one.");
-    expect(gr.d_gate_up_bias, "grad of gate_up_proj_bias", DType::f32, {E_, 2 * I});
+    expect(gr.d_gate_up_bias, "grad of gate_up_proj_bias", DType::f32, {E_, SI});
   }
   if (!copy.empty()) check_backward_copy(*this, copy);
   // An axpy-form tile product's weight segments packed ahead: projection p's (and `second`'s) from column col0,
@@ -1022,13 +1025,14 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     // h = glu(g, u); this block's share of d w = <p, h>; dh = w·p; dg, du through glu(g, u).
     for (int m = 0; m < n; ++m) {
       const long slot = sv.offset[e] + m, o = slot * I + i0;
-      ks.glu(ib, G + o, U + o, Hh + o, glu_);
+      const float* g = G ? G + o : nullptr;
+      ks.glu(ib, g, U + o, Hh + o, glu_);
       dw_parts[slot * max_blocks + items[it].block] = ks.dot(ib, P + o, Hh + o);
       ks.scale(ib, sv.slot_w[slot], P + o);
-      ks.glu_backward(ib, G + o, U + o, P + o, dG + o, dU + o, glu_);
+      ks.glu_backward(ib, g, U + o, P + o, G ? dG + o : nullptr, dU + o, glu_);
     }
     if (tp.on(e)) {  // dg, du of these columns in the tile layout for dx, from cache too
-      tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at_nn(GT, e, I));
+      if (G) tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dG, sv, e, I), tp.at_nn(GT, e, I));
       tp.tk->pack_nn(n, int(I), i0, ib, slot_rows(dU, sv, e, I), tp.at_nn(UT, e, I));
     }
   });
@@ -1051,10 +1055,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
   if (!gr.d_gate_up_bias.empty()) {
     phase("backward.bias_grad");
     for_routed_experts(rt, sv, E_, [&](long e, int) {
-      float* db = gr.d_gate_up_bias.as<float>() + e * 2 * I;
+      float* db = gr.d_gate_up_bias.as<float>() + e * SI;
       for (long slot = sv.offset[e]; slot < sv.offset[e + 1]; ++slot) {
-        ks.axpy(I, 1.f, dG + slot * I, db);
-        ks.axpy(I, 1.f, dU + slot * I, db + I);
+        if (G) ks.axpy(I, 1.f, dG + slot * I, db);
+        ks.axpy(I, 1.f, dU + slot * I, db + stack_index(UP) * I);
       }
     });
   }
@@ -1088,9 +1092,10 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
 
   // dx per slot = dg·Wg + du·Wu (+ s·wz·A), then summed over each token's k. For an expert on tiles (without
   // dropout, whose masks differ per projection) one tile product sums all four terms: its panel holds Wg's
-  // and Wu's rows, then s·Ag's and s·Au's, so C is stored once instead of added into three more times.
+  // and Wu's rows, then s·Ag's and s·Au's, so C is stored once instead of added into three more times. Without a
+  // gate, dx = du·Wu (+ s·wz·Au).
   phase("backward.dx");
-  const bool fuse_dx = !lora.dropout.on();
+  const bool fuse_dx = !lora.dropout.on() && glu_.gated;
   auto dx_width = [&](int e) { return nn_width(tp, e, fuse_dx ? 2 * I : I); };
   items.clear();
   for (int e = 0; e < E_; ++e)
@@ -1121,18 +1126,19 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     }
     float* dgu[2] = {dG, dU};
     const bf16* dgu_t[2] = {GT, UT};
-    for (int p = GATE; p <= UP; ++p) {
-      // Gate's panel, then up's of the same columns, then the next item's gate panel.
-      const Upcoming next = p == GATE     ? panel_of(it, UP, H, I, 2)
-                            : next_it >= 0 ? panel_of(next_it, GATE, H, I, 2)
+    for (int p = first_proj(); p <= UP; ++p) {
+      // Gate's panel, then up's of the same columns, then the next item's first panel.
+      const Upcoming next = p != UP       ? panel_of(it, UP, H, I, 2)
+                            : next_it >= 0 ? panel_of(next_it, first_proj(), H, I, 2)
                                            : Upcoming{};
+      const bool add = p != first_proj();  // into gate's terms
       with_rows(e, p, 0, [&](const auto& rows) {
         if (tp.on(e)) {
-          auto g = tile_nn(n, hb, int(I), tp.at_nn(dgu_t[p], e, I), rows, h0, c, H, p == UP, next);
+          auto g = tile_nn(n, hb, int(I), tp.at_nn(dgu_t[p], e, I), rows, h0, c, H, add, next);
           packed_from(g, e, p, -1, h0);
           run_tile(*tp.tk, g);
         } else
-          run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, p == UP));
+          run_nn(ks, weight_nn(n, hb, int(I), slot_rows(dgu[p], sv, e, I), rows, h0, c, H, add));
       });
       if (lora_on[p]) lora_in_grad_of(p, e, H, h0, hb, c, H, ith);
     }
@@ -1161,7 +1167,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
     if (!gr.d_down.empty())
       for (int b = 0; b < ceil_div(H, BLOCK); ++b) items.push_back({dW_DOWN, e, b});
     if (!gr.d_gate_up.empty())
-      for (int p = GATE; p <= UP; ++p)
+      for (int p = first_proj(); p <= UP; ++p)
         for (int b = 0; b < ceil_div(I, BLOCK); ++b) items.push_back({dW_GU + 16 * p, e, b});
   }
   // On tiles the grads reduce over the expert's rows with the transposed rank-space rows as the A operand and
@@ -1258,7 +1264,7 @@ void MoeExperts::backward(const Saved& sv, const View& x, const View& dout, cons
         const int cb = int(std::min<long>(BLOCK, I - c0));
         ks.gemm_nn_f32({cb, int(H), n, slot_rows(dgu[p], sv, e, I), c0, true, nullptr, gathered(xrows, sv, e), 0, tmp, H,
                         1.f, false});
-        accumulate_into(gr.d_gate_up, (long(e) * 2 * I + p * I + c0) * H, H, tmp, cb, H);
+        accumulate_into(gr.d_gate_up, ((long(e) * stacked() + stack_index(p)) * I + c0) * H, H, tmp, cb, H);
         break;
       }
     }

@@ -12,7 +12,9 @@
 // Per expert e, with s the LoRA scale:
 //   g = x Wgᵀ + s (x Agᵀ) Bgᵀ + bg,  u = x Wuᵀ + s (x Auᵀ) Buᵀ + bu,  h = glu(g, u),  y = h Wdᵀ + s (h Adᵀ) Bdᵀ
 // with glu the gated unit of kernels.h (silu(g)·u unless the experts are built with another Glu) and bg, bu the
-// optional gate/up bias (GPT-OSS); a down bias is the caller's to add (it only shifts y).
+// optional gate/up bias (GPT-OSS); a down bias is the caller's to add (it only shifts y). Experts without a gate
+// (Glu::gated false, Nemotron-H's) have no g: h = relu(u)², and the stacks below hold up's rows alone (I where 2I
+// is written), so gate_up is then up_proj [E, I, H].
 //   out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
 // LoRA: A_p [E, r, in_p], B_p [E, out_p, r], float32; any projection may have none.
 #pragma once
@@ -95,6 +97,11 @@ class MoeExperts {
   int I() const { return I_; }
   const ExpertWeights& weights() const { return w_; }
   const Glu& glu() const { return glu_; }
+  // Projections in gate_up's stack per expert (gate and up, or up alone), and projection p's place in it.
+  int stacked() const { return glu_.gated ? 2 : 1; }
+  int stack_index(int p) const { return glu_.gated ? p : 0; }
+  // The first projection read from x: GATE, or UP without a gate.
+  int first_proj() const { return glu_.gated ? GATE : UP; }
 
   // x [T, H] float32|bfloat16, idx [T, K] int64, w [T, K] float32, out [T, H] same dtype as x.
   // With save, returns what backward needs; without (inference), returns null and keeps nothing.

@@ -216,9 +216,11 @@ class KTExperts(LoadsInPlace, nn.Module):
         interleaved), so that a save loads in stock transformers and a stock save loads here.
         gate_up_proj_bias [E, 2I] (gate's first; the engine adds it, reading it in place), down_proj_bias [E, H]
         (added here, on the caller's device) and unit (the gated unit's constants): GPT-OSS's experts. The biases
-        train with the weights (train_base)."""
+        train with the weights (train_base). A unit without a gate (RELU2, Nemotron-H's) takes up's rows alone as
+        gate_up_proj [E, I, H] (a QuantizedExperts built with gated False), and its bias [E, I]."""
         nn.Module.__init__(self)  # not super(): subclasses mix in PEFT's LoraLayer, whose __init__ wants a base layer
         require_settings()
+        self.unit = Glu(*unit)
         if isinstance(gate_up_proj, QuantizedExperts):
             if down_proj is not None:
                 raise ValueError("KTExperts takes quantized experts as one QuantizedExperts, which holds down_proj "
@@ -227,12 +229,12 @@ class KTExperts(LoadsInPlace, nn.Module):
         else:
             weights = self._init_bf16(gate_up_proj, down_proj, train_base)
         self._init_biases(gate_up_proj_bias, down_proj_bias, train_base)
-        self.unit = Glu(*unit)
         bias = self.gate_up_proj_bias
         self.engine = _C.Engine(self.num_experts, self.hidden_size, self.intermediate_size, *weights,
                                 gate_up_bias=None if bias is None else view(engine_tensor(bias), "gate_up_proj_bias"),
                                 glu_alpha=self.unit.alpha, glu_limit=self.unit.limit,
-                                glu_up_offset=self.unit.up_offset, glu_cubic=self.unit.cubic)
+                                glu_up_offset=self.unit.up_offset, glu_cubic=self.unit.cubic,
+                                glu_gated=self.unit.gated)
         if isinstance(gate_up_proj, QuantizedExperts) and self.engine.format != EXPERT_FORMATS[gate_up_proj.format]:
             raise ValueError(f"QuantizedExperts says {gate_up_proj.format!r} but holds tensors of the "
                              f"{self.engine.format} layout; build it with QuantizedExperts.quantize or "
@@ -268,12 +270,12 @@ class KTExperts(LoadsInPlace, nn.Module):
         if gate_up_proj.is_meta or down_proj.is_meta:
             raise ValueError("KTExperts got expert weights on the meta device (shapes only, no values); load the "
                              "weights first (kt_sft.loader or from_pretrained) and build KTExperts from them.")
-        E, two_i, H = gate_up_proj.shape
-        if max(E, two_i, H) >= 2**31:
+        E, rows, H = gate_up_proj.shape
+        if max(E, rows, H) >= 2**31:
             raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)}: the engine takes experts, and rows and columns "
                              "of their weights, fewer than 2**31 each.")
-        check_fused_layout(gate_up_proj, down_proj)
-        self.num_experts, self.hidden_size, self.intermediate_size = E, H, two_i // 2
+        check_fused_layout(gate_up_proj, down_proj, self.unit.gated)
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, rows // self.unit.stacked
         self.gate_up_proj = ExpertWeight(to_engine(gate_up_proj, torch.bfloat16), requires_grad=train_base)
         self.down_proj = ExpertWeight(to_engine(down_proj, torch.bfloat16), requires_grad=train_base)
         return view(self.gate_up_proj), view(self.down_proj)
@@ -285,6 +287,9 @@ class KTExperts(LoadsInPlace, nn.Module):
             raise ValueError(f"full-parameter training of {q.format.upper()} expert weights is not supported; load the "
                              "experts in BF16 (a BF16 checkpoint, prepared without --expert-format) to train them, "
                              "or train LoRA on the quantized experts.")
+        if q.gated != self.unit.gated:
+            raise ValueError(f"the QuantizedExperts were built {'with' if q.gated else 'without'} a gate, but the unit "
+                             f"{'has none' if q.gated else 'has one'}; quantize them with gated={self.unit.gated}.")
         self.num_experts, self.hidden_size, self.intermediate_size = q.shape
         # Buffers, not parameters: nothing trains them, and they stay out of state_dict (multi-GB, and an adapter
         # or optimizer checkpoint has no use for them).
@@ -298,7 +303,8 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def _init_biases(self, gate_up_bias, down_bias, train_base):
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        for name, b, shape in (("gate_up_proj_bias", gate_up_bias, (E, 2 * I)), ("down_proj_bias", down_bias, (E, H))):
+        biases = (("gate_up_proj_bias", gate_up_bias, (E, self.unit.stacked * I)), ("down_proj_bias", down_bias, (E, H)))
+        for name, b, shape in biases:
             if b is not None and tuple(b.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(b.shape)}; these experts take {list(shape)}.")
             if b is not None and not bool(torch.isfinite(b).all()):
@@ -385,7 +391,7 @@ class KTExperts(LoadsInPlace, nn.Module):
     def _backward_copy_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The copy's gate_up and down tensors (csrc/moe/backward_copy.h)."""
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        return (E, 2, _C.backward_copy_elems(I, H)), (E, _C.backward_copy_elems(H, I))
+        return (E, self.unit.stacked, _C.backward_copy_elems(I, H)), (E, _C.backward_copy_elems(H, I))
 
     def _room_for_backward_copy(self) -> bool:
         """Whether this module's copy leaves the host RAM that kept passes leave (kept_forward.reserve_bytes); warns
@@ -413,14 +419,20 @@ class KTExperts(LoadsInPlace, nn.Module):
     def quantized_weights(self) -> QuantizedExperts:
         """The FP8/INT4 experts' buffers as the QuantizedExperts they were built from (no copy)."""
         return QuantizedExperts(self.expert_format, self.gate_up_proj, self.down_proj, self.gate_up_scale,
-                                self.down_scale)
+                                self.down_scale, self.unit.gated)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The experts' projections: gate, up and down, or up and down without a gate."""
+        return PROJECTIONS if self.unit.gated else PROJECTIONS[1:]
 
     def projection_weight(self, proj: str, e: int) -> torch.Tensor:
-        """Expert e's weight of projection proj ("gate", "up" [I, H] or "down" [H, I]): a view into the fused stacks."""
+        """Expert e's weight of projection proj ("gate", "up" [I, H] or "down" [H, I]): a view into the fused stacks
+        (up's rows are the last I of gate_up, with or without a gate before them)."""
         if proj == "down":
             return self.down_proj[e]
         I = self.intermediate_size
-        return self.gate_up_proj[e, :I] if proj == "gate" else self.gate_up_proj[e, I:]
+        return self.gate_up_proj[e, :I] if proj == "gate" else self.gate_up_proj[e, -I:]
 
     @classmethod
     def from_per_expert(cls, gate: Sequence[torch.Tensor], up: Sequence[torch.Tensor], down: Sequence[torch.Tensor],
@@ -431,11 +443,11 @@ class KTExperts(LoadsInPlace, nn.Module):
         gate_up = torch.stack([torch.cat([g, u], 0) for g, u in zip(gate, up)]).to(torch.bfloat16)
         return cls(gate_up, torch.stack(list(down)).to(torch.bfloat16), **kwargs)
 
-    def add_lora(self, r: int, alpha: float, use_rslora: bool = False, projections=PROJECTIONS,
+    def add_lora(self, r: int, alpha: float, use_rslora: bool = False, projections: Sequence[str] | None = None,
                  dtype: torch.dtype = torch.float32, adapter: str = "default", init: bool | str = True,
                  dropout: float = 0.0) -> None:
-        """LoRA on every expert's chosen projections: A [E,r,in], B [E,out,r]; `dropout` on A's inputs in training
-        mode (each routed copy of a token gets its own mask, as PEFT's per-expert LoRA layers would).
+        """LoRA on every expert's chosen projections (None: all it has): A [E,r,in], B [E,out,r]; `dropout` on A's
+        inputs in training mode (each routed copy of a token gets its own mask, as PEFT's per-expert LoRA layers would).
 
         init=True: A Kaiming-uniform, B zeros (PEFT's default: training starts from the base model);
         init="gaussian": A normal(0, 1/r); init=False: B random too (for tests, as PEFT's init_lora_weights=False).
@@ -450,9 +462,12 @@ class KTExperts(LoadsInPlace, nn.Module):
                              "alpha.")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}.")
-        unknown = set(projections) - set(PROJECTIONS)
+        projections = self.projections if projections is None else projections
+        unknown = set(projections) - set(self.projections)
         if unknown:
-            raise ValueError(f"unknown expert projections {sorted(unknown)}; choose from {list(PROJECTIONS)}.")
+            no_gate = " (these experts have no gate: up, relu², down)" if not self.unit.gated else ""
+            raise ValueError(f"unknown expert projections {sorted(unknown)}{no_gate}; choose from "
+                             f"{list(self.projections)}.")
         if init not in (True, False, "gaussian"):
             raise ValueError(f"init_lora_weights={init!r} is not supported on routed experts; use true, false or "
                              "'gaussian' (LLaMA-Factory: leave out pissa_init, or train PiSSA without the experts "

@@ -4,7 +4,8 @@ Legend: T tokens, H hidden, I intermediate, E experts, K top-k, r LoRA rank.
 Per expert e, with s the LoRA scale:
     g = x Wgᵀ + s (x Agᵀ) Bgᵀ + bg,  u = x Wuᵀ + s (x Auᵀ) Buᵀ + bu,  h = glu(g, u),  y = h Wdᵀ + s (h Adᵀ) Bdᵀ + bd
     out[t] = Σ_k w[t,k] · y_{e(t,k)}[t]
-with the biases optional (GPT-OSS has them) and glu silu(g)·u, or GPT-OSS's clamped form (Glu).
+with the biases optional (GPT-OSS has them) and glu silu(g)·u, or GPT-OSS's clamped form (Glu). Experts without a
+gate (Nemotron-H's) have no g: h = relu(u)², and gate_up holds up's rows alone.
 Autograd through this function gives the reference gradients of x, w, every LoRA A/B and the base weights.
 Computed in the dtype of its inputs (tests use float64).
 """
@@ -21,23 +22,34 @@ PROJECTIONS = ("gate", "up", "down")
 
 class Glu(NamedTuple):
     """The experts' gated unit: h = g'·sigmoid(alpha·(g' + cubic·g'³))·(u' + up_offset), g' = min(g, limit), u' = u
-    clamped to ±limit (csrc/kernels/kernels.h). The defaults are SwiGLU, silu(g)·u."""
+    clamped to ±limit (csrc/kernels/kernels.h). The defaults are SwiGLU, silu(g)·u. Not gated: h = relu(u)²
+    (transformers' relu2), the other fields unused."""
 
     alpha: float = 1.0
     limit: float = math.inf
     up_offset: float = 0.0
     cubic: float = 0.0
+    gated: bool = True
+
+    @property
+    def stacked(self) -> int:
+        """Projections in gate_up per expert: gate's and up's rows, or up's alone."""
+        return 2 if self.gated else 1
 
 
 SWIGLU = Glu()
 GPT_OSS_GLU = Glu(alpha=1.702, limit=7.0, up_offset=1.0)  # transformers' GptOssExperts
 # GeGLU with the tanh-approximated gelu (gelu_pytorch_tanh: Gemma 4): 0.5·(1 + tanh(z)) = sigmoid(2z).
 GEGLU_TANH = Glu(alpha=2.0 * math.sqrt(2.0 / math.pi), cubic=0.044715)
+RELU2 = Glu(gated=False)  # Nemotron-H's experts: up, relu², down
 
 
 def glu(g: torch.Tensor, u: torch.Tensor, f: Glu = SWIGLU) -> torch.Tensor:
     """The gated unit as torch computes it: torch's own silu and tanh-approximated gelu where the unit is one of
-    those (the engine's sigmoid form of the latter is checked against torch's tanh form)."""
+    those (the engine's sigmoid form of the latter is checked against torch's tanh form). g is unused (None) where the
+    unit has no gate."""
+    if not f.gated:
+        return torch.square(F.relu(u))
     if f == SWIGLU:
         return F.silu(g) * u
     if f == GEGLU_TANH:
@@ -100,29 +112,33 @@ def moe_experts_reference(
     down_bias: torch.Tensor | None = None,
     unit: Glu = SWIGLU,
 ) -> torch.Tensor:
-    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first), down [E,H,I],
-    gate_up_bias [E,2I] (gate's first), down_bias [E,H]. Ids E to E + identity_experts - 1 are zero-computation
-    experts (LongCat-Flash): each returns its token; id -1 is no expert (adds nothing)."""
-    E, two_i, _ = gate_up.shape
-    inter = two_i // 2
+    """x [T,H], top_k_index [T,K], top_k_weights [T,K], gate_up [E,2I,H] (gate rows first; [E,I,H], up's alone,
+    for a unit without a gate), down [E,H,I], gate_up_bias [E,2I] (gate's first; [E,I] without a gate), down_bias
+    [E,H]. Ids E to E + identity_experts - 1 are zero-computation experts (LongCat-Flash): each returns its token; id
+    -1 is no expert (adds nothing)."""
+    E, stacked_rows, _ = gate_up.shape
+    inter = stacked_rows // unit.stacked
+    up_rows = slice(stacked_rows - inter, stacked_rows)  # up's rows: the second half, or all without a gate
     out = torch.zeros_like(x)
     for e in range(E):
         tok, kk = torch.nonzero(top_k_index == e, as_tuple=True)
         if tok.numel() == 0:
             continue
         xe = x[tok]
-        rows = tok * top_k_index.shape[1] + kk  # each routed copy's t·K + k (its dropout stream)
-        g = xe @ gate_up[e, :inter].T
-        u = xe @ gate_up[e, inter:].T
-        if lora is not None:
-            g = g + _lora(lora, "gate", e, xe, rows)
-            u = u + _lora(lora, "up", e, xe, rows)
-        if gate_up_bias is not None:
-            g, u = g + gate_up_bias[e, :inter], u + gate_up_bias[e, inter:]
+        routed = tok * top_k_index.shape[1] + kk  # each routed copy's t·K + k (its dropout stream)
+
+        def projected(proj: str, rows: slice) -> torch.Tensor:
+            y = xe @ gate_up[e, rows].T
+            if lora is not None:
+                y = y + _lora(lora, proj, e, xe, routed)
+            return y if gate_up_bias is None else y + gate_up_bias[e, rows]
+
+        g = projected("gate", slice(0, inter)) if unit.gated else None
+        u = projected("up", up_rows)
         h = glu(g, u, unit)
         y = h @ down[e].T
         if lora is not None:
-            y = y + _lora(lora, "down", e, h, rows)
+            y = y + _lora(lora, "down", e, h, routed)
         if down_bias is not None:
             y = y + down_bias[e]
         out.index_add_(0, tok, y * top_k_weights[tok, kk].unsqueeze(-1))

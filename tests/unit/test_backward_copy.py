@@ -9,6 +9,7 @@ import torch
 from experts_case import Shape, inputs, make_module, run_engine
 import kt_sft
 from kt_sft._ext import view
+from kt_sft.ops.reference import RELU2, SWIGLU
 from test_experts_parity import RUNNABLE, SHAPES, tiles  # noqa: F401 (tiles: the tile kernel sets, a fixture)
 
 
@@ -26,10 +27,12 @@ def assert_same(got, want):
 
 
 # Edges of the copy's layout: odd H and I (a lone last block column, rows past the matrix), reductions longer than
-# a panel chunk, experts with many rows; T = 1 and no tokens take no tiles and must not trip over the copy.
+# a panel chunk, experts with many rows; T = 1 and no tokens take no tiles and must not trip over the copy. Experts
+# without a gate (relu²) have a copy of up's matrix alone and a dx of up's product alone.
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_same_grads_with_copy(tiles, shape, monkeypatch):
-    m = make_module(shape, lora=True)
+@pytest.mark.parametrize("unit", [SWIGLU, RELU2], ids=["swiglu", "relu2"])
+def test_same_grads_with_copy(tiles, shape, unit, monkeypatch):
+    m = make_module(shape, lora=True, unit=unit)
     case = inputs(shape, dtype=torch.bfloat16)
     assert_same(run(m, case, True, monkeypatch), run(m, case, False, monkeypatch))
 

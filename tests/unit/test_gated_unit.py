@@ -13,7 +13,7 @@ import torch
 import kt_sft
 from experts_case import Shape, inputs, make_module, run_engine, run_reference
 from test_experts_parity import check, kernels, tiles  # noqa: F401 (fixtures)
-from kt_sft.ops.reference import GEGLU_TANH
+from kt_sft.ops.reference import GEGLU_TANH, RELU2
 from tolerances import BF16_GRAD, BF16_IO, FP32_IO, for_kernels, for_quantized_kernels, rel_l2
 
 SHAPES = [
@@ -45,8 +45,8 @@ def full_mode_check(got, ref, shape, tol):
     check(got, ref, tol, shape)
 
 
-# Each unit's make_module arguments: GPT-OSS's with its biases.
-UNITS = {"gpt_oss": dict(gpt_oss=True), "geglu": dict(unit=GEGLU_TANH)}
+# Each unit's make_module arguments: GPT-OSS's with its biases; relu² of up without a gate (Nemotron-H).
+UNITS = {"gpt_oss": dict(gpt_oss=True), "geglu": dict(unit=GEGLU_TANH), "relu2": dict(unit=RELU2)}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from experts_case import Shape, inputs, lora_of, make_module, run_engine
-from kt_sft.ops.reference import LoraWeights, lora_dropout_keep, moe_experts_reference
+from kt_sft.ops.reference import RELU2, SWIGLU, LoraWeights, lora_dropout_keep, moe_experts_reference
 from test_experts_parity import check, kernels, tiles  # noqa: F401  (the kernel-set and tile fixtures)
 from tolerances import BF16_IO, FP32_IO, for_kernels, rel_l2
 
@@ -24,7 +24,7 @@ def reference_with_dropout(m, x, idx, w, gout, p, seed):
     A0, B0 = lora_of(m)
     A = {k: t.detach().double().requires_grad_() for k, t in A0.items()}
     B = {k: t.detach().double().requires_grad_() for k, t in B0.items()}
-    y = moe_experts_reference(xd, idx, wd, gu, dn, LoraWeights(A, B, m.scaling["default"], p, seed))
+    y = moe_experts_reference(xd, idx, wd, gu, dn, LoraWeights(A, B, m.scaling["default"], p, seed), unit=m.unit)
     y.backward(gout.double())
     out = {"y": y.detach(), "dx": xd.grad, "dw": wd.grad}
     for k in A:
@@ -40,10 +40,14 @@ def seeded_run(m, x, idx, w, g, seed_state=7):
     return run_engine(m, x, idx, w, g), seed
 
 
+UNITS = pytest.mark.parametrize("unit", [SWIGLU, RELU2], ids=["swiglu", "relu2"])  # with a gate and without
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_dropout_parity(kernels, shape, fmt):
-    m = make_module(shape, lora=True, expert_format=fmt)
+@UNITS
+def test_dropout_parity(kernels, shape, fmt, unit):
+    m = make_module(shape, lora=True, expert_format=fmt, unit=unit)
     m.lora_dropout["default"].p = 0.25
     m.train()
     x, idx, w, g = inputs(shape)
@@ -52,10 +56,11 @@ def test_dropout_parity(kernels, shape, fmt):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
-def test_dropout_parity_on_tiles(tiles, shape):
+@UNITS
+def test_dropout_parity_on_tiles(tiles, shape, unit):
     """BF16 activations on the tile unit: the masked LoRA operands are built in float32, then rounded for the
     tile products (in chunks of rows beyond the dropout buffers' size)."""
-    m = make_module(shape, lora=True)
+    m = make_module(shape, lora=True, unit=unit)
     m.lora_dropout["default"].p = 0.25
     m.train()
     x, idx, w, g = inputs(shape, dtype=torch.bfloat16)
