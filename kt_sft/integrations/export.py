@@ -266,7 +266,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     # module whose path contains a target name, which also named modules LoRA has no form for (an activation, the
     # LoRA layers' own children), and stock PEFT refuses those.
     kept = [k for k in targets if not k.endswith("experts") and k.rsplit(".", 1)[-1] in held]
-    config["target_modules"] = sorted({*kept, *arch.checkpoint_projections})
+    config["target_modules"] = sorted({*kept, *(arch.checkpoint_projections[p] for p in arch.projections)})
     with written_beside(out_dir, "export", "exporting") as tmp:
         write_safetensors(out, tmp / ADAPTER_WEIGHTS, {"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

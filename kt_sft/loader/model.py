@@ -147,7 +147,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
             raise ValueError(f"config.json routes each token to num_experts_per_tok = {top_k} of {E + Z} experts; it "
                              f"must be 1 to {E + Z}.")
         _check_group_routing(text, E, top_k)
-        for extra in (weight_keys(fmt, arch.expert_key(layer, E + Z, 0))[0],
+        for extra in (weight_keys(fmt, arch.expert_key(layer, E + Z, arch.projections[0]))[0],
                       weight_keys(fmt, arch.expert_key(layer, E, 2))[0]):
             if extra in ckpt.shard_of:  # config.json gives fewer experts than the checkpoint has
                 raise ValueError(f"the checkpoint has {extra}, an expert past the {E} per layer that config.json's "
@@ -171,7 +171,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
         expected = _check_fused(ckpt, arch, fused, fmt, layer, E, I, H, Z) if fused else \
             _check_per_expert(ckpt, config, arch, fmt, layer, E, I, H)
         # Stock LongCat-Flash saves gate and up rows of its zero-computation experts, which no expert reads.
-        expected |= {k for e in range(E, E + Z) for p in (0, 1)
+        expected |= {k for e in range(E, E + Z) for p in arch.projections[:-1]
                      for k in weight_keys(fmt, arch.expert_key(layer, e, p))}
         # The loader reads the expert keys above and skips the rest under the experts' prefix: a tensor there that
         # changes what they mean (a column order, zero points, input scales) would be lost without a word.
@@ -191,7 +191,7 @@ def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: i
     want = ((I, H), (I, H), (H, I))
     expected = set()
     for e in range(E):
-        for p in range(3):
+        for p in arch.projections:
             keys = weight_keys(fmt, arch.expert_key(layer, e, p))
             expected.update(keys)
             for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
@@ -234,8 +234,9 @@ def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = ""
     """The keys of a layer's experts stored fused (`gate_up_proj`, `down_proj`: fused_shapes; MXFP4 ones under these
     names with `_blocks` and `_scales` appended), or None where they are stored per expert. prefix: the text model's
     key prefix, where ckpt reads a composite checkpoint's keys whole (kt-sft merge)."""
+    fused = arch.stock_layout().fused_name  # up_proj without a gate (Nemotron-H)
     for base in experts_key_prefixes(arch, layer, module):
-        names = (f"{prefix}{base}gate_up_proj", f"{prefix}{base}down_proj")
+        names = (f"{prefix}{base}{fused}", f"{prefix}{base}down_proj")
         for keys in dict.fromkeys((names, tuple(map(arch.checkpoint_name, names)))):  # Granite's input_linear, ...
             if any(k + suffix in ckpt.shard_of for k in keys for suffix in ("", *mxfp4.SUFFIXES)):
                 return keys
@@ -244,15 +245,15 @@ def fused_keys(ckpt: Checkpoint, arch, layer: int, module: str, prefix: str = ""
 
 def fused_shapes(arch, E: int, I: int, H: int, Z: int = 0) -> dict[tuple, bool]:
     """The shapes a layer's fused experts may be stored in -> whether they are transposed from the transformers 5
-    module's gate_up_proj [E, 2I, H] and down_proj [E, H, I]: the module's, and the transposed ones where the
-    architecture publishes those (Qwen3-VL-MoE; transformers reads both). Never the same pair: that would take
-    H = 2I and H = I at once. Z zero-computation experts: gate_up_proj may also have E + Z rows, as LongCat-Flash's
-    module holds it (the last Z unread)."""
-    shapes = {}
+    module's gate_up_proj [E, 2I, H] (up_proj [E, I, H] without a gate) and down_proj [E, H, I]: the module's, and the
+    transposed ones where the architecture publishes those (Qwen3-VL-MoE; transformers reads both). Never the same
+    pair: that would take H = 2I and H = I at once. Z zero-computation experts: gate_up_proj may also have E + Z
+    rows, as LongCat-Flash's module holds it (the last Z unread)."""
+    shapes, SI = {}, arch.unit.stacked * I
     for rows in dict.fromkeys((E, E + Z)):
-        shapes[(rows, 2 * I, H), (E, H, I)] = False
+        shapes[(rows, SI, H), (E, H, I)] = False
         if arch.fused_transposed:
-            shapes[(rows, H, 2 * I), (E, I, H)] = True
+            shapes[(rows, H, SI), (E, I, H)] = True
     return shapes
 
 
@@ -283,8 +284,9 @@ def _check_fused(ckpt: Checkpoint, arch, keys: tuple[str, str], fmt: str, layer:
     stored = tuple(ckpt.shape(k) for k in keys)
     if stored not in shapes:
         said = " or ".join(" and ".join(str(list(s)) for s in pair) for pair in shapes)
+        stack = "2 x intermediate" if arch.unit.gated else "intermediate"
         raise ValueError(f"{keys[0]} and {keys[1]} have shapes {list(stored[0])} and {list(stored[1])} but config.json "
-                         f"implies {said} (fused experts: [experts, 2 x intermediate, hidden] and [experts, hidden, "
+                         f"implies {said} (fused experts: [experts, {stack}, hidden] and [experts, hidden, "
                          f"intermediate]{', or transposed' if len(shapes) > 1 else ''}); check that config.json "
                          "belongs to these weights.")
     return {*keys, *_check_biases(ckpt, arch, keys, fmt, E, I, H)}
@@ -431,12 +433,13 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
             layout = StockLayout(fused_transposed(ckpt, arch, fused, E, I, H, rows - E), arch.gate_up_interleaved)
             read = ckpt.read_slice
 
-        def expert(e):  # expert e's (gate_up [2I, H], down [H, I]) in the engine's layout
+        def expert(e):  # expert e's (gate_up [2I, H] or [I, H], down [H, I]) in the engine's layout
             gate_up, down = layout.engine_weights(*(read(k, e)[None] for k in fused))
             return gate_up[0], down[0]
 
         if target == "bf16":
-            gate_up, down = torch.empty(E, 2 * I, H, dtype=torch.bfloat16), torch.empty(E, H, I, dtype=torch.bfloat16)
+            gate_up = torch.empty(E, arch.unit.stacked * I, H, dtype=torch.bfloat16)
+            down = torch.empty(E, H, I, dtype=torch.bfloat16)
             if layout != StockLayout() or rows != E or source == "mxfp4":
                 for e in range(E):  # a slice at a time: a second copy of the layer's experts would take GBs
                     for dst, values in zip((gate_up[e], down[e]), expert(e)):
@@ -445,32 +448,35 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
                 ckpt.read_into(fused[0], gate_up)
                 ckpt.read_into(fused[1], down)
             return gate_up, down
-        q = QuantizedExperts.empty(target, E, H, I)
+        q = QuantizedExperts.empty(target, E, H, I, arch.unit.gated)
         for e in range(E):  # expert by expert: one layer's fused tensors whole would take GBs more RAM
             gate_up, e_down = expert(e)
-            q.set_expert(e, gate_up[:I], gate_up[I:], e_down)
+            q.set_expert(e, gate_up[:I] if arch.unit.gated else None, gate_up[-I:], e_down)
         return q
-    keys = [[arch.expert_key(layer, e, p) for p in range(3)] for e in range(E)]
+    keys = [[arch.expert_key(layer, e, p) for p in arch.projections] for e in range(E)]
     if target == "bf16":
-        gate_up = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+        gate_up = torch.empty(E, arch.unit.stacked * I, H, dtype=torch.bfloat16)
         down = torch.empty(E, H, I, dtype=torch.bfloat16)
         for e in range(E):
-            for key, dst in zip(keys[e], (gate_up[e, :I], gate_up[e, I:], down[e])):
+            places = (gate_up[e, :I], gate_up[e, -I:], down[e])  # gate's rows, up's (the last I), down's
+            for key, dst in zip(keys[e], (places[p] for p in arch.projections)):
                 if source == "bf16":
                     ckpt.read_into(key, dst)
                 else:
                     dst.copy_(_expert_values(ckpt, source, key))
         return gate_up, down
-    q = QuantizedExperts.empty(target, E, H, I)
+    q = QuantizedExperts.empty(target, E, H, I, arch.unit.gated)
     for e in range(E):
         if source != target:
-            q.set_expert(e, *(_expert_values(ckpt, source, key) for key in keys[e]))
+            values = [_expert_values(ckpt, source, key) for key in keys[e]]
+            q.set_expert(e, *([] if arch.unit.gated else [None]), *values)
             continue
-        # The checkpoint's own bytes: values, then scales (FP8 keeps gate's and up's block grids apart).
-        gate_scale, up_scale = (q.gate_up_scale[e, 0], q.gate_up_scale[e, 1]) if target == "fp8" else \
-            (q.gate_up_scale[e, :I], q.gate_up_scale[e, I:])
-        dsts = ((q.gate_up[e, :I], gate_scale), (q.gate_up[e, I:], up_scale), (q.down[e], q.down_scale[e]))
-        for key, (values, scale) in zip(keys[e], dsts):
+        # The checkpoint's own bytes: values, then scales (FP8 keeps gate's and up's block grids apart); up's are the
+        # last of the stack.
+        gate_scale, up_scale = (q.gate_up_scale[e, 0], q.gate_up_scale[e, -1]) if target == "fp8" else \
+            (q.gate_up_scale[e, :I], q.gate_up_scale[e, -I:])
+        dsts = ((q.gate_up[e, :I], gate_scale), (q.gate_up[e, -I:], up_scale), (q.down[e], q.down_scale[e]))
+        for key, (values, scale) in zip(keys[e], (dsts[p] for p in arch.projections)):
             value_key, scale_key = weight_keys(target, key)[:2]
             ckpt.read_into(value_key, values)
             ckpt.read_into(scale_key, scale)

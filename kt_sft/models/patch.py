@@ -42,20 +42,22 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
         for name, module in model.named_modules(prefix=prefix.removesuffix(".")):
             if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:
                 continue
-            if name + ".gate_up_proj" in state_dict:
+            if name + "." + module.stock_layout.fused_name in state_dict:
                 # Stock LongCat-Flash's fused gate_up_proj has rows for its zero-computation experts too, unread.
                 gate_up, E = state_dict[name + ".gate_up_proj"], module.num_experts
                 if module.identity_experts and gate_up.dim() == 3 and gate_up.shape[0] == E + module.identity_experts:
                     state_dict[name + ".gate_up_proj"] = gate_up[:E]
                 continue
             bases = [stored + "." for stored in arch.stored_names(name)]
-            stored = next((b for b in bases if f"{b}0.{arch.checkpoint_projections[0]}.weight" in state_dict), bases[0])
-            keys = [f"{stored}{{}}.{proj}.weight" for proj in arch.checkpoint_projections]
+            first = arch.checkpoint_projections[arch.projections[0]]
+            stored = next((b for b in bases if f"{b}0.{first}.weight" in state_dict), bases[0])
+            keys = [f"{stored}{{}}.{arch.checkpoint_projections[p]}.weight" for p in arch.projections]
             E, I = module.gate_up_proj.shape[0], module.down_proj.shape[-1]
-            slices.update({name + ".gate_up_proj": 2 * E, name + ".down_proj": E})
+            slices.update({name + ".gate_up_proj": len(keys[:-1]) * E, name + ".down_proj": E})
+            # gate's rows and up's (the last I of gate_up, with a gate or without), then down's.
+            places = (("gate_up_proj", slice(0, I)), ("gate_up_proj", slice(-I, None)), ("down_proj", slice(None)))
             for e in range(E):
-                for key, fused, rows in zip(keys, ("gate_up_proj", "gate_up_proj", "down_proj"),
-                                            (slice(0, I), slice(I, 2 * I), slice(None))):
+                for key, (fused, rows) in zip(keys, (places[p] for p in arch.projections)):
                     value = state_dict.pop(key.format(e), None)
                     if value is None:
                         continue
@@ -67,7 +69,7 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
                         target.copy_(value)
                     filled[f"{name}.{fused}"] = filled.get(f"{name}.{fused}", 0) + 1
             for e in range(E, E + module.identity_experts):  # what stock LongCat-Flash saves of its zero-computation
-                for key in keys[:2]:  # experts: rows no expert reads
+                for key in keys[:-1]:  # experts: rows no expert reads
                     state_dict.pop(key.format(e), None)
 
     def not_missing(module, incompatible):
@@ -115,7 +117,7 @@ def use_cpu_experts(model: nn.Module, train_base: bool = True) -> int:
         parent_name, _, child = name.rpartition(".")
         # LongCat-Flash's class allots gate/up rows to its zero-computation experts too, which never read them.
         layout = arch.stock_layout()
-        gate_up, down = layout.engine_weights(module.gate_up_proj.detach()[:arch.expert_dims(module)[0]],
+        gate_up, down = layout.engine_weights(getattr(module, layout.fused_name).detach()[:arch.expert_dims(module)[0]],
                                               module.down_proj.detach())
         biases = {}
         if arch.expert_biases:

@@ -21,9 +21,10 @@ class MoEArchitecture:
     # forward(hidden_states, top_k_index, top_k_weights).
     experts_classes: tuple[str, ...]
     # Where a checkpoint on disk keeps expert e of layer L (per-expert 2-D tensors, as published and as
-    # transformers saves them), and the names of its gate, up and down projections.
+    # transformers saves them), and the names of its gate, up and down projections (gate's None for experts without
+    # one: the unit's `gated`).
     checkpoint_experts: str = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-    checkpoint_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    checkpoint_projections: tuple[str | None, str, str] = ("gate_proj", "up_proj", "down_proj")
     # Checkpoint key fragments that the transformers module tree names differently (old, new).
     key_renames: tuple[tuple[str, str], ...] = ()
     # The MoE block's attribute holding shared experts that its stock forward applies to the block's input after
@@ -49,8 +50,9 @@ class MoEArchitecture:
     gate_up_interleaved: bool = False
     # Whether the experts have gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] (GPT-OSS).
     expert_biases: bool = False
-    # The experts' gated unit (ops/reference.py Glu): SwiGLU, GPT-OSS's clamped form, or GeGLU (Gemma 4); the text
-    # config's field the stock experts read their activation from, and its values that the unit computes.
+    # The experts' gated unit (ops/reference.py Glu): SwiGLU, GPT-OSS's clamped form, GeGLU (Gemma 4), or relu² of up
+    # without a gate (Nemotron-H); the text config's field the stock experts read their activation from, and its
+    # values that the unit computes.
     unit: Glu = SWIGLU
     activation_field: str = "hidden_act"
     activations: tuple[str, ...] = ("silu", "swish")
@@ -65,7 +67,12 @@ class MoEArchitecture:
 
     def stock_layout(self) -> StockLayout:
         """How the stock module holds its fused weights against the engine's layout (nn/stock_layout.py)."""
-        return StockLayout(self.module_transposed, self.gate_up_interleaved)
+        return StockLayout(self.module_transposed, self.gate_up_interleaved, self.unit.gated)
+
+    @property
+    def projections(self) -> tuple[int, ...]:
+        """The experts' projections (0 gate, 1 up, 2 down) that a checkpoint holds: up and down without a gate."""
+        return (0, 1, 2) if self.unit.gated else (1, 2)
 
     def expert_dims(self, module) -> tuple[int, int, int]:
         """(E, I, H) of an experts module of this architecture, from its down_proj (LongCat-Flash's gate_up_proj

@@ -5,9 +5,10 @@ LongCat-Flash (zero-computation experts), OLMoE, dots.llm1, GLM-4.7-Flash (MLA),
 indexer), ERNIE-4.5 MoE, Hunyuan-A13B, Hy3 (its router and shared experts renamed), EXAONE MoE, Solar Open,
 FlexOlmo, AFMoE, Phi-3.5-MoE (Mixtral's expert names, its router renamed), Granite 4.0-H (Mamba-2 layers, its
 experts as input_linear and output_linear beside the router, a shared MLP), MiniMax-Text-01 (lightning attention)
-Mistral 4 (MLA, group-limited softmax routing) and Gemma 4 (GeGLU experts beside a dense MLP; its text model, and
-the whole model's class without a vision tower), each prepared from a checkpoint as transformers saves it. The loss
-falls and the adapter holds the experts' LoRA."""
+Mistral 4 (MLA, group-limited softmax routing), Gemma 4 (GeGLU experts beside a dense MLP; its text model, and
+the whole model's class without a vision tower) and Nemotron-H (Mamba-2, MoE and attention layers; experts without a
+gate, saved under backbone.), each prepared from a checkpoint as transformers saves it. The loss falls and the adapter
+holds the experts' LoRA."""
 import pytest
 import torch
 import transformers
@@ -96,6 +97,11 @@ CONFIGS = {
         num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=16, n_shared_experts=1, n_group=4,
         topk_group=2, first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=32),
+    "nemotron_h": lambda v: transformers.NemotronHConfig(  # Nemotron 3 Nano's kinds of layer
+        vocab_size=v, **{k: x for k, x in SIZES.items() if k not in ("intermediate_size", "num_hidden_layers")},
+        layers_block_type=["mamba", "moe", "attention", "moe"], moe_intermediate_size=64,
+        moe_shared_expert_intermediate_size=64, n_routed_experts=16, mamba_num_heads=8, mamba_head_dim=32,
+        ssm_state_size=16, n_groups=1, chunk_size=64, use_mamba_kernels=False),
     "gemma4_text": lambda v: transformers.Gemma4TextConfig(**GEMMA4_TEXT(v)),
     "gemma4": lambda v: transformers.Gemma4Config(text_config=GEMMA4_TEXT(v)),  # the whole model's class
     "afmoe": lambda v: transformers.AfmoeConfig(vocab_size=v, **SIZES, moe_intermediate_size=64, num_experts=16,

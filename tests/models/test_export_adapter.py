@@ -42,7 +42,7 @@ def per_expert_tree(peft_model, arch):
             continue
         layer = int(name.split("layers.")[1].split(".")[0])
         for e in range(m.num_experts):
-            for p in range(3):
+            for p in arch.projections:
                 w = m.projection_weight(PROJECTIONS[p], e).detach().float()
                 linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
                 linear.weight.data.copy_(w)
@@ -57,18 +57,20 @@ def per_expert_tree(peft_model, arch):
     return root, layers
 
 
-# Qwen3-VL-MoE's and Qwen3.5-MoE's under model.language_model, Llama 4's under language_model.model.
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe", "qwen3_5_moe", "llama4"])
+# Qwen3-VL-MoE's and Qwen3.5-MoE's under model.language_model, Llama 4's under language_model.model; Nemotron-H's
+# experts have no gate.
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe", "qwen3_5_moe", "llama4", "nemotron_h"])
 def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type, tmp_path):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0
     arch = architecture_of(peft_model.config)
+    names = {arch.checkpoint_projections[p] for p in arch.projections}
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
-    assert sorted(config["target_modules"]) == sorted(["o_proj", *arch.checkpoint_projections])
+    assert sorted(config["target_modules"]) == sorted({"o_proj", *names})
 
     tree, layers = per_expert_tree(peft_model, arch)
     expert_config = LoraConfig.from_pretrained(str(tmp_path / "out"))
-    expert_config.target_modules = set(arch.checkpoint_projections)  # the tree has no attention to take o_proj
+    expert_config.target_modules = names  # the tree has no attention to take o_proj
     expert_config.task_type = None
     per_expert = get_peft_model(tree, expert_config)
     state = {k: v for k, v in load_file(str(tmp_path / "out" / "adapter_model.safetensors")).items()
@@ -81,9 +83,9 @@ def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type
     for layer, experts in layers:
         for e in range(experts.num_experts):
             g, u, d = (per_expert.get_submodule(f"base_model.model.{arch.expert_module(layer, e, p)}")
-                       for p in range(3))
+                       if p in arch.projections else None for p in range(3))
             with torch.no_grad():
-                want = d(torch.nn.functional.silu(g(x)) * u(x))
+                want = d(torch.nn.functional.silu(g(x)) * u(x) if g is not None else torch.relu(u(x)) ** 2)
                 got = experts(x, torch.full((5, 1), e), torch.ones(5, 1))
             assert rel_l2(got, want) <= FP32_IO, (layer, e)
 

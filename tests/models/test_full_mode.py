@@ -16,8 +16,8 @@ from tolerances import BF16_GRAD, FP32_IO, rel_l2
 
 
 # Granite: transformers 5.6's block holds its experts otherwise (kt_sft's forward for it, routed_forward; the router's
-# grads too, its top-k and softmax taken from the router's logits).
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "granitemoeshared", "granitemoehybrid"])
+# grads too, its top-k and softmax taken from the router's logits). Nemotron-H's experts have no gate (up_proj).
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h"])
 def test_full_mode_gradients_match_stock_model(model_type):
     stock = tiny_model(model_type).train()
     kt = copy.deepcopy(stock)
@@ -31,23 +31,27 @@ def test_full_mode_gradients_match_stock_model(model_type):
     experts = {n for n, m in kt.named_modules() if isinstance(m, KTExpertsLinear)}
     checked = 0
     for name, p in kt.named_parameters():
-        ref = stock_of(stock_grads, name)
-        if name.rpartition(".")[0] in experts:
+        module, _, leaf = name.rpartition(".")
+        if module in experts and leaf == "gate_up_proj":  # the stock module's name for it (Nemotron-H's up_proj)
+            leaf = kt.get_submodule(module).stock_layout.fused_name
+        ref = stock_of(stock_grads, f"{module}.{leaf}")
+        if module in experts:
             assert p.grad.dtype == torch.bfloat16
             assert rel_l2(p.grad, ref) <= BF16_GRAD, name
             checked += 1
         else:
             assert rel_l2(p.grad, ref) <= FP32_IO, name
-    assert checked == 4  # gate_up_proj and down_proj of both MoE layers
+    assert checked == 4  # gate_up_proj (up_proj) and down_proj of both MoE layers
     assert set(kt.state_dict()) == set(stock.state_dict())  # the stock names
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_file", "sharded"])
 # Mixtral saves experts as block_sparse_moe w1/w3/w2 (Phi-3.5-MoE too, its router as block_sparse_moe.gate);
 # Qwen3-VL-MoE under model.language_model.
-# Granite's experts are saved as input_linear and output_linear, Gemma 4's fused in its decoder layers.
+# Granite's experts are saved as input_linear and output_linear, Gemma 4's fused in its decoder layers, Nemotron-H's
+# per expert under backbone. without a gate.
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe", "qwen3_vl_moe", "longcat_flash", "llama4",
-                                        "gpt_oss", "granitemoe", "gemma4"])
+                                        "gpt_oss", "granitemoe", "gemma4", "nemotron_h"])
 def test_full_fine_tune_resumes_with_its_trained_experts(model_type, sharded, tmp_path):
     # The Trainer resumes with load_state_dict(strict=False) of what save_pretrained wrote (experts per expert), of
     # each file in turn when the save was sharded (a real MoE's is: 50 GB files), where a layer's experts span

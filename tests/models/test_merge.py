@@ -41,14 +41,16 @@ def updates_of(peft_model) -> dict:
             layer = int(name.split("layers.")[1].split(".")[0])
             a, b, s = m.lora_A["default"], m.lora_B["default"], m.scaling["default"]
             for e in range(m.num_experts):
-                for p, proj in enumerate(PROJECTIONS):
-                    out[arch.expert_key(layer, e, p)] = s * b[proj][e].float() @ a[proj][e].float()
+                for proj in m.projections:
+                    out[arch.expert_key(layer, e, PROJECTIONS.index(proj))] = s * b[proj][e].float() @ a[proj][e].float()
         elif isinstance(m, peft.tuners.lora.LoraLayer) and "default" in m.lora_A:
-            out[name.removeprefix("base_model.model.") + ".weight"] = m.get_delta_weight("default").float()
+            out[arch.checkpoint_name(name.removeprefix("base_model.model.") + ".weight")] = \
+                m.get_delta_weight("default").float()
     return out
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe"])  # Mixtral's and Phi's name experts w1/w3/w2
+# Mixtral's and Phi's name experts w1/w3/w2; Nemotron-H's have no gate, under backbone.
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe", "nemotron_h"])
 def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     (model_dir / "consolidated.00.pth").write_bytes(b"other weights")  # left out: they would be unmerged
@@ -69,8 +71,9 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
 
 
 # GPT-OSS's module holds its experts transposed, gate's and up's outputs interleaved; transformers 5.6's Granite as
-# input_linear / output_linear: a merged save_pretrained keeps the stock layout and names, which stock loads.
-@pytest.mark.parametrize("model_type", ["gpt_oss", "granitemoeshared"])
+# input_linear / output_linear; Nemotron-H's up_proj without a gate: a merged save_pretrained keeps the stock layout
+# and names, which stock loads.
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granitemoeshared", "nemotron_h"])
 def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_path, model_type):
     kt, _ = kt_and_reference(model_type)
     with torch.no_grad():

@@ -50,7 +50,7 @@ def loss_and_grads(model, checkpointing=None, device="cpu"):
 
 @pytest.mark.parametrize("model_type,expected", [("deepseek_v3", 1), ("glm4_moe", 1), ("qwen2_moe", 0),
                                                  ("qwen3_moe", 0), ("granitemoeshared", 2), ("granitemoehybrid", 2),
-                                                 ("granitemoe", 0), ("mistral4", 1)])
+                                                 ("granitemoe", 0), ("mistral4", 1), ("nemotron_h", 2)])
 def test_installed_where_the_block_calls_shared_experts_last(model_type, expected):
     # The tiny DeepSeek/GLM models have one dense layer then one MoE layer; Qwen2-MoE applies its shared expert
     # before routing (nothing to reorder), Qwen3-MoE has none. Granite's decoder layers call their shared MLP on the
@@ -201,6 +201,12 @@ def test_same_loss_and_gradients_as_the_stock_order(model_type, checkpointing, c
         assert rel_l2(grads[name], g) <= FP32_IO, name
 
 
+@pytest.mark.parametrize("concurrent", [False, True], ids=["in_turn", "concurrent"])
+def test_same_loss_and_gradients_as_the_stock_order_in_nemotron_h(concurrent, monkeypatch):
+    # Without checkpointing: transformers 5.6's Nemotron-H class does not support it.
+    test_same_loss_and_gradients_as_the_stock_order("nemotron_h", None, concurrent, monkeypatch)
+
+
 def test_generation_without_grad_matches_the_stock_order():
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))
     outs = [lora_model("deepseek_v3", overlap).eval().generate(input_ids=ids, max_new_tokens=4, do_sample=False)
@@ -225,7 +231,7 @@ def test_a_block_that_calls_shared_experts_on_another_tensor_falls_back_with_a_w
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 @pytest.mark.parametrize("checkpointing", [None, False], ids=["plain", "nonreentrant_ckpt"])
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "granitemoehybrid"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "longcat_flash", "granitemoehybrid", "nemotron_h"])
 def test_on_cuda_the_shared_experts_run_while_the_engine_computes(checkpointing, model_type):
     # The same kernels, the engine on its driver thread meanwhile; float32 CUDA kernels against the CPU engine.
     model = lora_model(model_type)

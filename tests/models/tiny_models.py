@@ -153,6 +153,12 @@ CONFIGS = {
         **COMMON, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=48,
         layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
         mamba_chunk_size=8, position_embedding_type="nope", **GRANITE_SCALES),
+    "nemotron_h": lambda: transformers.NemotronHConfig(  # Nemotron 3 Nano's kinds of layer: Mamba-2, MoE, attention, MoE
+        **{k: v for k, v in COMMON.items() if k not in ("hidden_act", "num_hidden_layers")}, head_dim=16,
+        layers_block_type=["mamba", "moe", "attention", "moe"], intermediate_size=96, moe_intermediate_size=40,
+        moe_shared_expert_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=8,
+        use_mamba_kernels=False),
     "gemma4_text": lambda: transformers.Gemma4TextConfig(**GEMMA4_TEXT),
     "gemma4": lambda: transformers.Gemma4Config(text_config=GEMMA4_TEXT),  # the whole model's class, no vision tower
     "afmoe": lambda: transformers.AfmoeConfig(**COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=40,
@@ -178,11 +184,11 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
 
 def experts_rounded_to_bf16(model):
     """model with its routed experts' weights rounded to BF16 in place (Granite's as input_linear and output_linear,
-    transformers 5.6's names for them)."""
+    transformers 5.6's names for them; Nemotron-H's up_proj, its experts having no gate)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "block_sparse_moe.input_linear.weight",
-                              "block_sparse_moe.output_linear.weight")):
+            if name.endswith(("experts.gate_up_proj", "experts.up_proj", "experts.down_proj",
+                              "block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")):
                 p.copy_(p.bfloat16().float())
     return model
 
