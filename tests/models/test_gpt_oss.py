@@ -111,7 +111,8 @@ def stock_with_the_experts_of(stock, kt):
             gate_up, down = module.base_weights()
             target = stock.get_submodule(name)
             with torch.no_grad():
-                target.gate_up_proj.copy_(module.stock_layout._to_stock("gate_up_proj", gate_up.float()))
+                getattr(target, module.stock_layout.fused_name).copy_(
+                    module.stock_layout._to_stock("gate_up_proj", gate_up.float()))
                 target.down_proj.copy_(module.stock_layout._to_stock("down_proj", down.float()))
     return stock
 

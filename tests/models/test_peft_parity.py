@@ -23,6 +23,12 @@ OUTPUT_PROJECTIONS = ["o_proj", "out_proj"]
 LORA = dict(r=4, lora_alpha=8, target_modules=[*OUTPUT_PROJECTIONS, "experts"], init_lora_weights=False)
 
 
+def output_projections(model_type):
+    """OUTPUT_PROJECTIONS, but for Nemotron-H's Mamba out_proj, where peft >= 0.19 refuses LoRA (its CUDA kernels read
+    the weight itself)."""
+    return ["o_proj"] if model_type == "nemotron_h" else OUTPUT_PROJECTIONS
+
+
 def batch(seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 96, (2, 12), generator=g)
@@ -37,10 +43,11 @@ def kt_and_reference(model_type):
     torch.manual_seed(1)
     for m in (kt, stock):  # peft >= 0.19 does not freeze a model that already holds tuner layers
         m.requires_grad_(False)
-    kt = get_peft_model(kt, LoraConfig(**LORA))
-    ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": OUTPUT_PROJECTIONS}))
+    outputs = output_projections(model_type)
+    kt = get_peft_model(kt, LoraConfig(**{**LORA, "target_modules": [*outputs, "experts"]}))
+    ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": outputs}))
     state = kt.state_dict()
-    ref.load_state_dict({k: v for k, v in state.items() if any(f"{p}.lora_" in k for p in OUTPUT_PROJECTIONS)},
+    ref.load_state_dict({k: v for k, v in state.items() if any(f"{p}.lora_" in k for p in outputs)},
                         strict=False)
     block_forward = architecture_of(stock.config).block_forward
     for name, module in list(kt.named_modules()):
