@@ -217,7 +217,7 @@ struct KernelSet {
   void (*gemm_nn_int4)(const GemmNN<int4_group>&);
   // h = glu(g, u) (Glu above); g is not read (and may be null) for a unit without a gate.
   void (*glu)(long n, const float* g, const float* u, float* h, const Glu& f);
-  // Given dh: dg = dh · ∂h/∂g, du = dh · ∂h/∂u. Overwrites dg, du; without a gate only du (g and dg may be null).
+  // Given dh: dg = dh · ∂h/∂g, du = dh · ∂h/∂u. Overwrites dg, du; without a gate only du (g, dg may be null).
   void (*glu_backward)(long n, const float* g, const float* u, const float* dh, float* dg, float* du, const Glu& f);
   void (*bf16_to_f32)(long n, const bf16* src, float* dst);
   void (*f32_to_bf16)(long n, const float* src, bf16* dst);

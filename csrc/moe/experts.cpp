@@ -457,7 +457,8 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
   } else if (format_ == Format::fp8_block128) {
     expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, SI, H});
     expect(w.down, "down_proj", DType::fp8_e4m3, {E, H, I});
-    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32, {E, stacked(), ceil_div(I, bs), ceil_div(H, bs)});
+    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32,
+           {E, stacked(), ceil_div(I, bs), ceil_div(H, bs)});
     expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, bs), ceil_div(I, bs)});
   } else {
     expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, SI, ceil_div(H, 8)});

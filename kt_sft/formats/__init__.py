@@ -93,7 +93,8 @@ class QuantizedExperts:
 
     @classmethod
     def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor, gated: bool = True) -> "QuantizedExperts":
-        """From BF16/float experts in the fused layout: gate_up [E, 2I, H] ([E, I, H] without a gate), down [E, H, I]."""
+        """From BF16/float experts in the fused layout: gate_up [E, 2I, H] ([E, I, H] without a gate), down
+        [E, H, I]."""
         check_fused_layout(gate_up, down, gated)
         E, H, I = down.shape[0], down.shape[1], down.shape[2]
         out = cls.empty(fmt, E, H, I, gated)

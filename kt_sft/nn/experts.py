@@ -303,7 +303,8 @@ class KTExperts(LoadsInPlace, nn.Module):
 
     def _init_biases(self, gate_up_bias, down_bias, train_base):
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        biases = (("gate_up_proj_bias", gate_up_bias, (E, self.unit.stacked * I)), ("down_proj_bias", down_bias, (E, H)))
+        biases = (("gate_up_proj_bias", gate_up_bias, (E, self.unit.stacked * I)),
+                  ("down_proj_bias", down_bias, (E, H)))
         for name, b, shape in biases:
             if b is not None and tuple(b.shape) != shape:
                 raise ValueError(f"{name} has shape {tuple(b.shape)}; these experts take {list(shape)}.")

@@ -17,7 +17,8 @@ from tolerances import BF16_GRAD, FP32_IO, rel_l2
 
 # Granite: transformers 5.6's block holds its experts otherwise (kt_sft's forward for it, routed_forward; the router's
 # grads too, its top-k and softmax taken from the router's logits). Nemotron-H's experts have no gate (up_proj).
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                                        "nemotron_h"])
 def test_full_mode_gradients_match_stock_model(model_type):
     stock = tiny_model(model_type).train()
     kt = copy.deepcopy(stock)

@@ -42,7 +42,8 @@ def updates_of(peft_model) -> dict:
             a, b, s = m.lora_A["default"], m.lora_B["default"], m.scaling["default"]
             for e in range(m.num_experts):
                 for proj in m.projections:
-                    out[arch.expert_key(layer, e, PROJECTIONS.index(proj))] = s * b[proj][e].float() @ a[proj][e].float()
+                    key = arch.expert_key(layer, e, PROJECTIONS.index(proj))
+                    out[key] = s * b[proj][e].float() @ a[proj][e].float()
         elif isinstance(m, peft.tuners.lora.LoraLayer) and "default" in m.lora_A:
             out[arch.checkpoint_name(name.removeprefix("base_model.model.") + ".weight")] = \
                 m.get_delta_weight("default").float()

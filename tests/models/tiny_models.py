@@ -153,7 +153,7 @@ CONFIGS = {
         **COMMON, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=48,
         layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
         mamba_chunk_size=8, position_embedding_type="nope", **GRANITE_SCALES),
-    "nemotron_h": lambda: transformers.NemotronHConfig(  # Nemotron 3 Nano's kinds of layer: Mamba-2, MoE, attention, MoE
+    "nemotron_h": lambda: transformers.NemotronHConfig(  # Nemotron 3 Nano's kinds of layer: Mamba, MoE, attention
         **{k: v for k, v in COMMON.items() if k not in ("hidden_act", "num_hidden_layers")}, head_dim=16,
         layers_block_type=["mamba", "moe", "attention", "moe"], intermediate_size=96, moe_intermediate_size=40,
         moe_shared_expert_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
