@@ -195,19 +195,23 @@ def expert_sizes(model: dict) -> tuple:
     # (whose intermediate_size is their dense layers') moe_intermediate_size.
     width = next((text[k] for k in ("moe_intermediate_size", "expert_ffn_hidden_size") if k in text),
                  text.get("intermediate_size"))
-    return experts, text.get("hidden_size"), width
+    # Nemotron-H's experts run in moe_latent_size where its config gives one.
+    return experts, text.get("moe_latent_size") or text.get("hidden_size"), width
 
 
-def check_stacked(m: re.Match, t, model: dict, r: int) -> None:
+def check_stacked(m: re.Match, t, model: dict, r: int, arch) -> None:
     """A stacked expert LoRA tensor (m: its STACKED_KEY match), [E, r, in] (A) or [E, out, r] (B), against the
-    adapter's rank and the model's expert count and hidden size (whichever of the architectures' names the config
-    uses)."""
+    adapter's rank, the model's expert count and hidden size (whichever of the architectures' names the config
+    uses) and the projections its experts have (arch's)."""
     if t.dim() != 3 or t.shape[1 if m["ab"] == "A" else 2] != r:
         raise ValueError(f"the adapter's {m.string} is shaped {list(t.shape)}, not a rank-{r} stack of expert LoRA "
                          f"matrices ({'[E, r, in]' if m['ab'] == 'A' else '[E, out, r]'}) as its adapter_config.json "
                          "says; the file and the config do not belong together.")
     experts, H, I = expert_sizes(model)
     proj, ab = m["proj"], m["ab"]
+    if proj not in (PROJECTIONS[p] for p in arch.projections):
+        raise ValueError(f"the adapter's {m.string} is LoRA on the experts' {proj}, which {arch.model_type}'s experts "
+                         "do not have (up and down only); export it with the model it was trained on (--model).")
     width = t.shape[2] if ab == "A" else t.shape[1]
     # A of gate/up and B of down meet H; B of gate/up and A of down meet I.
     size, name = (H, "hidden") if (proj == "down") == (ab == "B") else (I, "intermediate")
@@ -251,7 +255,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
             out[key] = t
             continue
         stacked += 1
-        check_stacked(m, t, model, config["r"])
+        check_stacked(m, t, model, config["r"], arch)
         proj = PROJECTIONS.index(m["proj"])
         for e in range(t.shape[0]):
             out[f"{m['pre']}{arch.expert_module(int(m['layer']), e, proj)}.lora_{m['ab']}.weight"] = t[e].contiguous()

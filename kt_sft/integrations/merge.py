@@ -139,7 +139,7 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
             stacked, plain, copy = STACKED_KEY.match(key), _PLAIN_KEY.match(key), _BASE_COPY_KEY.match(key)
             if stacked:
                 t = f.get_tensor(key)
-                check_stacked(stacked, t, model, config["r"])
+                check_stacked(stacked, t, model, config["r"], arch)
                 layer, proj = int(stacked["layer"]), PROJECTIONS.index(stacked["proj"])
                 fused = fused_experts(ckpt, arch, model, prefix, layer)
                 for e in range(t.shape[0]):

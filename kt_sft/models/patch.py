@@ -42,11 +42,12 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
         for name, module in model.named_modules(prefix=prefix.removesuffix(".")):
             if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:
                 continue
-            if name + "." + module.stock_layout.fused_name in state_dict:
+            fused_key = name + "." + module.stock_layout.fused_name  # Nemotron-H's up_proj
+            if fused_key in state_dict:
                 # Stock LongCat-Flash's fused gate_up_proj has rows for its zero-computation experts too, unread.
-                gate_up, E = state_dict[name + ".gate_up_proj"], module.num_experts
+                gate_up, E = state_dict[fused_key], module.num_experts
                 if module.identity_experts and gate_up.dim() == 3 and gate_up.shape[0] == E + module.identity_experts:
-                    state_dict[name + ".gate_up_proj"] = gate_up[:E]
+                    state_dict[fused_key] = gate_up[:E]
                 continue
             bases = [stored + "." for stored in arch.stored_names(name)]
             first = arch.checkpoint_projections[arch.projections[0]]
