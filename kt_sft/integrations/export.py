@@ -32,6 +32,8 @@ _LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_(?:embedding_)?[AB](?:\.weig
 # A stacked expert LoRA tensor: whatever precedes the model's layers (PEFT's `base_model.model.`), the layer (an
 # image-text model's text layers: model.language_model.layers.N, Llama 4's language_model.model.layers.N), the
 # experts module inside it, A or B, and the projection.
+# Any other LoRA tensor of a PEFT save: its module path between PEFT's prefix and the LoRA's own names.
+_PLAIN_LORA = re.compile(r"^(?P<pre>base_model\.model\.)(?P<module>.+?)(?P<rest>\.lora_.*)$")
 STACKED_KEY = re.compile(r"^(?P<pre>.*?)(?:language_model\.model\.|model\.(?:language_model\.)?)"
                          r"layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\.(?P<proj>gate|up|down)$")
 
@@ -249,10 +251,16 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     out, stacked = {}, 0
     with open_safetensors(adapter_dir / ADAPTER_WEIGHTS) as f:
         tensors = {key: f.get_tensor(key) for key in f.keys()}
+    # The other LoRA goes under the checkpoint's names too where the architecture's renames carry the experts' module
+    # path to their checkpoint keys (Nemotron-H's backbone., Mixtral's router under block_sparse_moe): one module
+    # tree's names throughout. Not where its experts are named otherwise (Qwen3.5-MoE's text model saved alone).
+    experts_at = arch.experts_prefix(0)
+    renamed = arch.checkpoint_name(arch.module_key(experts_at)) == experts_at
     for key, t in tensors.items():
         m = STACKED_KEY.match(key)
         if m is None:
-            out[key] = t
+            plain = _PLAIN_LORA.match(key) if renamed else None
+            out[f"{plain['pre']}{arch.checkpoint_name(plain['module'])}{plain['rest']}" if plain else key] = t
             continue
         stacked += 1
         check_stacked(m, t, model, config["r"], arch)

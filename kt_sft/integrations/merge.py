@@ -57,12 +57,14 @@ _BASE_COPY_KEY = re.compile(r"^base_model\.model\.(?P<module>(?:(?!lora_|modules
 @dataclass(frozen=True)
 class FusedSlice:
     """One expert's projection inside a layer's fused experts tensor `key` (gate_up_proj: gate, then up, or their
-    outputs alternating where interleaved, as GPT-OSS's; down_proj), stored as the module holds it or transposed."""
+    outputs alternating where interleaved, as GPT-OSS's; up's alone where the experts have no gate, Nemotron-H's
+    up_proj; down_proj), stored as the module holds it or transposed."""
     key: str
     expert: int
     proj: int  # PROJECTIONS' index
     transposed: bool
     interleaved: bool = False
+    gated: bool = True
 
     def __str__(self) -> str:
         return f"expert {self.expert}'s {PROJECTIONS[self.proj]} in {self.key}"
@@ -143,7 +145,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                 layer, proj = int(stacked["layer"]), PROJECTIONS.index(stacked["proj"])
                 fused = fused_experts(ckpt, arch, model, prefix, layer)
                 for e in range(t.shape[0]):
-                    weight = (FusedSlice(fused[0][proj == 2], e, proj, fused[1], arch.gate_up_interleaved) if fused
+                    weight = (FusedSlice(fused[0][proj == 2], e, proj, fused[1], arch.gate_up_interleaved,
+                                         arch.unit.gated) if fused
                               else prefix + arch.expert_key(layer, e, proj))
                     pairs.setdefault(weight, {})[stacked["ab"]] = t[e]
             elif plain:
@@ -195,7 +198,7 @@ def merged_fused(ckpt: Checkpoint, key: str, slices: list[tuple[FusedSlice, tupl
         view = t[where.expert].T if where.transposed else t[where.expert]  # [out, in], as a per-expert weight
         if where.proj < 2 and where.interleaved:  # gate_up_proj: the gate's and the up's rows alternating
             view = view[where.proj::2]
-        elif where.proj < 2:  # the gate's rows, then the up's
+        elif where.proj < 2 and where.gated:  # the gate's rows, then the up's
             half = view.shape[0] // 2
             view = view[:half] if where.proj == 0 else view[half:]
         if (b.shape[0], a.shape[1]) != tuple(view.shape):

@@ -828,7 +828,7 @@ class KTExperts(LoadsInPlace, nn.Module):
             xc, idx, w, lora32 = engine_inputs(self, hidden_states, top_k_index, top_k_weights, lora)
             # Gradient checkpointing's first pass, most likely.
             keep = (keeps_forward(self.training) and self.__dict__.get("_kept_misses", 0) < MISSES_BEFORE_OFF
-                    and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc)))
+                    and room_to_keep(kept_bytes(*idx.shape, self.intermediate_size, r, xc, self.unit.stacked)))
             out, saved = run_forward(self.engine, xc, idx, w, r, scale, lora32, save=keep, device=hidden_states.device,
                                      dropout=dropout, beside=beside)
             if not no_recompute_follows():  # a reference pass or a generation leaves a training step's kept pass

@@ -83,9 +83,10 @@ def keeps_forward(training: bool) -> bool:
             and not recompute_experts() and not no_recompute_follows())
 
 
-def kept_bytes(tokens: int, k: int, intermediate: int, rank: int, x: torch.Tensor) -> int:
-    """Host RAM a kept pass holds: g and u (and LoRA's rank-space inputs) in float32, copies of x and the result."""
-    return 4 * tokens * k * (2 * intermediate + 3 * rank) + 2 * x.numel() * x.element_size()
+def kept_bytes(tokens: int, k: int, intermediate: int, rank: int, x: torch.Tensor, stacked: int = 2) -> int:
+    """Host RAM a kept pass holds: g and u (u alone for experts without a gate: stacked 1) and LoRA's rank-space
+    inputs in float32, copies of x and the result."""
+    return 4 * tokens * k * (stacked * intermediate + 3 * rank) + 2 * x.numel() * x.element_size()
 
 
 def reserve_bytes(total: int) -> int:

@@ -88,27 +88,44 @@ def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_
         assert rel_l2(stock(IDS).logits, adapter) <= MERGED_BF16
 
 
-# Each writes the tiny model's weights as published.
+def nemotron_h_fused(path):
+    """The tiny nemotron_h saved with each layer's experts fused (up_proj, down_proj) under the checkpoint's names
+    (backbone.…): no gate rows in its fused stack."""
+    model = tiny_model("nemotron_h")
+    save_checkpoint(model, path)
+    arch = architecture_of(model.config)
+    for old in path.glob("model*.safetensors*"):
+        old.unlink()
+    save_file({arch.checkpoint_name(k): v.contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+# Each writes the tiny model's weights as published (Nemotron-H's fused as it is not, for its experts without a gate).
 PUBLISHED = {"qwen3_vl_moe": qwen3_vl_moe_published, "qwen3_5_moe": qwen3_5_moe_published,
              "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path),
              "gpt_oss": lambda path: save_checkpoint(tiny_model("gpt_oss"), path),
              "granitemoehybrid": lambda path: save_checkpoint(tiny_model("granitemoehybrid"), path),
-             "gemma4": lambda path: save_checkpoint(tiny_model("gemma4"), path)}
+             "gemma4": lambda path: save_checkpoint(tiny_model("gemma4"), path), "nemotron_h": nemotron_h_fused}
 EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}",
            "gpt_oss": "model.layers.{n}.mlp.experts.{p}",
            "granitemoehybrid": "model.layers.{n}.block_sparse_moe.{p}",
-           "gemma4": "model.language_model.layers.{n}.experts.{p}"}
+           "gemma4": "model.language_model.layers.{n}.experts.{p}",
+           "nemotron_h": "backbone.layers.{n}.mixer.experts.{p}"}
 # The fused tensors' names, where they are not gate_up_proj and down_proj.
-FUSED_NAMES = {"granitemoehybrid": ("input_linear.weight", "output_linear.weight")}
+FUSED_NAMES = {"granitemoehybrid": ("input_linear.weight", "output_linear.weight"),
+               "nemotron_h": ("up_proj", "down_proj")}
+MOE_LAYERS = {"nemotron_h": (1, 3)}  # the others': 0 and 1
 BATCHES = {"llama4": lambda: llama4_batch(3), "gpt_oss": lambda: {"input_ids": IDS},
-           "granitemoehybrid": lambda: {"input_ids": IDS}, "gemma4": lambda: {"input_ids": IDS}}
+           "granitemoehybrid": lambda: {"input_ids": IDS}, "gemma4": lambda: {"input_ids": IDS},
+           "nemotron_h": lambda: {"input_ids": IDS}}
 
 
 @pytest.mark.parametrize("model_type", sorted(PUBLISHED))
 def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_still_fused(tmp_path, model_type):
     # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed, Llama 4
     # fused and transposed as its module holds them, GPT-OSS (a text model) too, gate's and up's rows alternating,
-    # Granite as input_linear and output_linear beside the router, Gemma 4's in its decoder layers (no MoE block):
+    # Granite as input_linear and output_linear beside the router, Gemma 4's in its decoder layers (no MoE block),
+    # Nemotron-H's up_proj without gate rows:
     # each expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
     PUBLISHED[model_type](tmp_path / "model")
     model = tiny_model(model_type)  # the published weights
@@ -123,7 +140,7 @@ def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_stil
     changed = {k for k in before.keys() if not torch.equal(before.get(k), after.get(k))}
     experts = EXPERTS.get(model_type, "model.language_model.layers.{n}.mlp.experts.{p}")
     assert {k for k in changed if "o_proj" not in k} == {experts.format(n=n, p=p)
-                                                         for n in (0, 1)
+                                                         for n in MOE_LAYERS.get(model_type, (0, 1))
                                                          for p in FUSED_NAMES.get(model_type, ("gate_up_proj",
                                                                                                "down_proj"))}
     merged = auto_class(model_type).from_pretrained(tmp_path / "merged", dtype=torch.float32)

@@ -82,9 +82,8 @@ def test_its_state_dict_with_the_stock_fused_names_loads_back():
         assert rel_l2(kt(ids).logits, stock(ids).logits) <= FP32_IO
 
 
-def test_an_adapter_on_experts_in_the_latent_width_exports(tmp_path):
-    # The experts' LoRA per expert under the checkpoint's names (backbone.); the other LoRA keeps the module tree's
-    # (model.), as for every architecture.
+def test_an_adapter_on_experts_in_the_latent_width_exports_under_the_checkpoints_names(tmp_path):
+    # The experts' LoRA per expert, and the attention's, under the checkpoint's names (backbone.).
     config = CONFIGS["nemotron_h"]()
     config.moe_latent_size = 32
     torch.manual_seed(0)
@@ -96,4 +95,5 @@ def test_an_adapter_on_experts_in_the_latent_width_exports(tmp_path):
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(tmp_path / "model")]) == 0
     keys = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
     assert "base_model.model.backbone.layers.1.mixer.experts.0.up_proj.lora_A.weight" in keys
-    assert "base_model.model.model.layers.2.mixer.o_proj.lora_A.weight" in keys
+    assert "base_model.model.backbone.layers.2.mixer.o_proj.lora_A.weight" in keys
+    assert not [k for k in keys if k.startswith("base_model.model.model.")]
