@@ -11,6 +11,8 @@ register(MoEArchitecture(
     "nemotron_h", experts_classes=("NemotronHExperts",),
     checkpoint_experts="backbone.layers.{layer}.mixer.experts.{expert}.{proj}.weight",
     checkpoint_projections=(None, "up_proj", "down_proj"),
+    # The published name of the embeddings is backbone.embeddings (transformers 5.17 saves it so); 5.6 saves
+    # backbone.embedding, read too.
     key_renames=(("backbone.", "model."), ("embedding.weight", "embeddings.weight")),
     shared_experts="shared_experts",
     unit=RELU2, activation_field="mlp_hidden_act", activations=("relu2",),

@@ -89,14 +89,13 @@ def test_a_merged_save_loads_in_stock_transformers_with_the_adapters_logits(tmp_
 
 
 def nemotron_h_fused(path):
-    """The tiny nemotron_h saved with each layer's experts fused (up_proj, down_proj) under the checkpoint's names
-    (backbone.…): no gate rows in its fused stack."""
+    """The tiny nemotron_h saved with each layer's experts fused (up_proj, down_proj) under the published names
+    (backbone.…, its embeddings as NVIDIA's and transformers 5.17's saves name them): no gate rows in its fused stack."""
     model = tiny_model("nemotron_h")
     save_checkpoint(model, path)
-    arch = architecture_of(model.config)
     for old in path.glob("model*.safetensors*"):
         old.unlink()
-    save_file({arch.checkpoint_name(k): v.contiguous() for k, v in model.state_dict().items()},
+    save_file({re.sub(r"^model\.", "backbone.", k): v.contiguous() for k, v in model.state_dict().items()},
               str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
