@@ -35,15 +35,17 @@ def batch(seed):
     return dict(input_ids=ids, labels=ids)
 
 
-def kt_and_reference(model_type):
-    stock = tiny_model(model_type)
+def kt_and_reference(model_type, stock=None, outputs=None):
+    """The tiny model_type (or `stock`) on the engine with LoRA on its output projections (or on `outputs`) and the
+    experts, and the stock model with the same LoRA, its experts' in plain PyTorch."""
+    stock = tiny_model(model_type) if stock is None else stock
     kt = copy.deepcopy(stock)
     use_cpu_experts(kt)
     architecture_of(stock.config).experts_in_place(stock)  # Granite's experts module, for ReferenceExperts to replace
     torch.manual_seed(1)
     for m in (kt, stock):  # peft >= 0.19 does not freeze a model that already holds tuner layers
         m.requires_grad_(False)
-    outputs = output_projections(model_type)
+    outputs = output_projections(model_type) if outputs is None else outputs
     kt = get_peft_model(kt, LoraConfig(**{**LORA, "target_modules": [*outputs, "experts"]}))
     ref = get_peft_model(stock, LoraConfig(**{**LORA, "target_modules": outputs}))
     state = kt.state_dict()
