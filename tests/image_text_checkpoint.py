@@ -1,4 +1,4 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V or Llama 4 as published (no hub access): config, weights (Qwen's experts
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4 or Gemma 4 as published (no hub access): config, weights (Qwen's experts
 fused, Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its
 image and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
 multimodal sharegpt format."""
@@ -99,13 +99,70 @@ def _llama4(out: Path, seed: int) -> Path:
     return out
 
 
-def _tokenizer(special, extra, eos, template):
+# Gemma 4's special tokens; those its processor reads by name; its chat format (LLaMA-Factory's gemma4 template) as a
+# chat template: an image is <|image|>, which its processor expands into the image's soft tokens.
+GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|audio>",
+                  "<audio|>", "<|audio|>", "<|video|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>"]
+GEMMA4_NAMED = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
+                "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
+GEMMA4_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
+    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|image|>' %}"
+    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
+    "{%- set content = content.s %}{%- endif %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<|turn>' + role + '\n' + content + '<turn|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|turn>model\n' }}{%- endif %}")
+
+
+def _gemma4(out: Path, seed: int) -> Path:
+    """A tiny Gemma 4 (26B-A4B's layer: a dense MLP beside GeGLU experts; sliding, then full attention) with its vision
+    tower (4x4 patches pooled 3x3: 70 soft tokens at most per image, the fewest its processor allows), tokenizer and
+    processor."""
+    import transformers
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+    from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
+    tok = _tokenizer(GEMMA4_SPECIAL, [], "<turn|>", GEMMA4_TEMPLATE, pad="<pad>", bos="<bos>", named=GEMMA4_NAMED)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA4_SPECIAL}
+    text = dict(vocab_size=288, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, global_head_dim=32, moe_intermediate_size=32, num_experts=8,
+                top_k_experts=2, enable_moe_block=True, hidden_size_per_layer_input=0, sliding_window=64,
+                layer_types=["sliding_attention", "full_attention"], max_position_embeddings=4096,
+                tie_word_embeddings=False, eos_token_id=ids["<turn|>"], bos_token_id=ids["<bos>"],
+                pad_token_id=ids["<pad>"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
+                                       boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+                                       tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
+        model.get_output_embeddings().weight.normal_(0, 0.15)
+    model.save_pretrained(out)
+    transformers.GenerationConfig(eos_token_id=[ids["<turn|>"], ids["<eos>"]], pad_token_id=ids["<pad>"],
+                                  bos_token_id=ids["<bos>"], do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
+    patches = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
+    transformers.Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), tokenizer=tok,
+                                 image_processor=Gemma4ImageProcessor(**patches),
+                                 video_processor=Gemma4VideoProcessor(**patches), image_seq_length=70,
+                                 chat_template=GEMMA4_TEMPLATE).save_pretrained(out)
+    return out
+
+
+def _tokenizer(special, extra, eos, template, pad="<|endoftext|>", bos=None, named=None):
+    """A byte-level tokenizer with special (and extra) tokens after the bytes; named: the special tokens a processor
+    reads as the tokenizer's attributes (Gemma 4's image_token, boi_token, ...)."""
     from transformers import Qwen2Tokenizer
     from tokenizers.pre_tokenizers import ByteLevel
     vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
     vocab.update({t: 256 + i for i, t in enumerate(special + extra)})  # in the vocabulary: their ids stay put
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, eos_token=eos,
-                         pad_token="<|endoftext|>", split_special_tokens=False)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=bos, eos_token=eos, pad_token=pad,
+                         split_special_tokens=False, **({"extra_special_tokens": named} if named else {}))
     tok.add_special_tokens({"extra_special_tokens": special}, replace_extra_special_tokens=False)
     tok.add_tokens(extra)
     tok.chat_template = template
@@ -119,6 +176,8 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
     import transformers
     if model_type == "llama4":
         return _llama4(out, seed)
+    if model_type == "gemma4":
+        return _gemma4(out, seed)
     glm = model_type == "glm4v_moe"
     tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
         _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
