@@ -14,6 +14,7 @@ memory read bandwidth, and peak RSS against the weight bytes.
   python benchmarks/bench_layer.py --shape Q --T 2048 --rounds 3   # every step timed in turn, three times over
   python benchmarks/bench_layer.py --shape DS --T 4096 --formats bf16,bf16+copy   # with KT_SFT_BACKWARD_COPY=1 too
   python benchmarks/bench_layer.py --shape GO --formats bf16,int4   # gpt-oss-120b's layer: biases, clamped unit
+  python benchmarks/bench_layer.py --shape NH --formats bf16,int4   # Nemotron 3 Nano's layer: no gate, relu²
 
 With --rounds N, ours, the peer and the PyTorch loop (every format) are timed one after another N times, and each
 ratio is printed per round and as the median over rounds besides the ratio of the medians: a slow spell of a shared
@@ -48,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kt_sft  # noqa: E402
 from kt_sft.formats import QuantizedExperts  # noqa: E402
 from kt_sft.ops import timing  # noqa: E402
-from kt_sft.ops.reference import GPT_OSS_GLU, SWIGLU, LoraWeights, moe_experts_reference  # noqa: E402
+from kt_sft.ops.reference import GPT_OSS_GLU, RELU2, SWIGLU, LoraWeights, moe_experts_reference  # noqa: E402
 
 SHAPES = {
     "S": dict(H=1024, I=512, E=16, K=4, T=256, r=8),
@@ -56,6 +57,8 @@ SHAPES = {
     "DS": dict(H=7168, I=2048, E=256, K=8, T=512, r=16),
     # gpt-oss-120b's layer: its experts' biases and clamped unit (layer_extras) on ours and on the PyTorch loop
     "GO": dict(H=2880, I=2880, E=128, K=4, T=2048, r=16),
+    # Nemotron 3 Nano 30B-A3B's layer: experts without a gate (up, relu², down; layer_extras)
+    "NH": dict(H=2688, I=1856, E=128, K=6, T=2048, r=16),
 }
 
 
@@ -127,16 +130,17 @@ def decode_ms(m, H, E, K, reps: int) -> float:
     return inference_ms(m, lambda: next(routes), reps)
 
 
-def make_layer(E, H, I, r, seed=0):
+def make_layer(E, H, I, r, seed=0, stacked=2):
     """Random BF16 experts, each drawn from a generator of its own by a pool of threads: torch draws normal values
     on one thread per call, and the DeepSeek-V3 layer's 11 G weights drawn in one call (with 90 GB of float32
-    temporaries beside the 22.5 GB kept) made runs of 94-122 s on the GPU test machine, 35-43 s drawn this way."""
-    gu = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    temporaries beside the 22.5 GB kept) made runs of 94-122 s on the GPU test machine, 35-43 s drawn this way.
+    stacked 1: up's rows alone, for experts without a gate."""
+    gu = torch.empty(E, stacked * I, H, dtype=torch.bfloat16)
     dn = torch.empty(E, H, I, dtype=torch.bfloat16)
 
     def fill(e):
         g = torch.Generator().manual_seed(seed * E + e)
-        gu[e] = torch.randn(2 * I, H, generator=g).div_(H**0.5)
+        gu[e] = torch.randn(stacked * I, H, generator=g).div_(H**0.5)
         dn[e] = torch.randn(H, I, generator=g).div_(I**0.5)
 
     with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
@@ -152,12 +156,15 @@ def make_inputs(T, H, E, K, seed=1):
     return x, idx, w
 
 
-def quantized(fmt, gu, dn):
-    return None if fmt.startswith("bf16") else QuantizedExperts.quantize(fmt, gu, dn)
+def quantized(fmt, gu, dn, gated=True):
+    return None if fmt.startswith("bf16") else QuantizedExperts.quantize(fmt, gu, dn, gated)
 
 
 def layer_extras(shape: str, E: int, H: int, I: int) -> dict:
-    """What a shape's experts have beside their weights, as KTExperts takes it: GPT-OSS's biases and unit."""
+    """What a shape's experts have beside their weights, as KTExperts takes it: GPT-OSS's biases and unit, Nemotron-H's
+    unit without a gate."""
+    if shape == "NH":
+        return dict(unit=RELU2)
     if shape != "GO":
         return {}
     g = torch.Generator().manual_seed(5)
@@ -239,14 +246,15 @@ def torch_step(gu, dn, x, idx, w, r, extras=None):
     g = torch.Generator().manual_seed(2)
     # Per-expert LoRA leaves, as a per-expert PyTorch model holds them: slices of one stacked leaf made every
     # backward zero-fill and add up a whole [E, r, d] gradient per expert and projection (~half its time).
-    A = {p: [(torch.randn(r, d, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
-         for p, d in (("gate", H), ("up", H), ("down", I))}
-    B = {p: [(torch.randn(d, r, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
-         for p, d in (("gate", I), ("up", I), ("down", H))}
-    lora = LoraWeights(A, B, 2.0)
     extras = extras or {}
-    biases = [None if extras.get(k) is None else extras[k].bfloat16() for k in ("gate_up_proj_bias", "down_proj_bias")]
     unit = extras.get("unit", SWIGLU)
+    projections = ("gate", "up", "down") if unit.gated else ("up", "down")
+    A = {p: [(torch.randn(r, d, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
+         for p, d in (("gate", H), ("up", H), ("down", I)) if p in projections}
+    B = {p: [(torch.randn(d, r, generator=g) * 0.01).bfloat16().requires_grad_() for _ in range(E)]
+         for p, d in (("gate", I), ("up", I), ("down", H)) if p in projections}
+    lora = LoraWeights(A, B, 2.0)
+    biases = [None if extras.get(k) is None else extras[k].bfloat16() for k in ("gate_up_proj_bias", "down_proj_bias")]
     xg = x.clone().requires_grad_()
     wg = w.bfloat16().requires_grad_()
     gout = torch.randn_like(x)
@@ -358,7 +366,7 @@ def run_formats(formats, gu, dn, x, idx, w, r, reps, rounds, threads, skip, res,
     E, H, I, K = dn.shape[0], dn.shape[1], dn.shape[2], idx.shape[1]
     modules, steps = {}, {}
     for fmt in formats:
-        q = quantized(fmt, gu, dn)
+        q = quantized(fmt, gu, dn, (extras or {}).get("unit", SWIGLU).gated)
         modules[fmt] = (experts_module(gu, dn, q, extras), q)
         steps[f"ours {fmt}"] = ours_step(modules[fmt][0], x, idx, w, r)
         if fmt == "bf16+copy":
@@ -418,11 +426,13 @@ def main():
     res = dict(shape=args.shape, **s, threads=threads, kernels=caps["kernels"], cpu=cpu_name(),
                commit=git_commit(), torch_version=torch.__version__, ours={}, peer={}, peer_status={}, decode={},
                rss={})
-    flop = 6 * T * K * H * I  # one pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products
-    gu, dn = make_layer(E, H, I, r)
+    extras = layer_extras(args.shape, E, H, I)
+    stacked = extras.get("unit", SWIGLU).stacked
+    # One pass (forward, or backward in LoRA mode): three [N,H]x[H,I]-sized products, two without a gate.
+    flop = 2 * (stacked + 1) * T * K * H * I
+    gu, dn = make_layer(E, H, I, r, stacked=stacked)
     x, idx, w = make_inputs(T, H, E, K)
-    run_formats(formats, gu, dn, x, idx, w, r, reps, args.rounds, threads, skip, res, args.phases,
-                layer_extras(args.shape, E, H, I))
+    run_formats(formats, gu, dn, x, idx, w, r, reps, args.rounds, threads, skip, res, args.phases, extras)
     if "peak" not in skip:
         res["peak_gflops"] = measured_peak_gflops(threads)
         res["read_gbps"] = measured_read_gbps(threads)
