@@ -32,10 +32,10 @@ _LORA_LEAF = re.compile(r".*\.(?P<leaf>[^.]+)\.lora_(?:embedding_)?[AB](?:\.weig
 # A stacked expert LoRA tensor: whatever precedes the model's layers (PEFT's `base_model.model.`), the layer (an
 # image-text model's text layers: model.language_model.layers.N, Llama 4's language_model.model.layers.N), the
 # experts module inside it, A or B, and the projection.
-# Any other LoRA tensor of a PEFT save: its module path between PEFT's prefix and the LoRA's own names.
-_PLAIN_LORA = re.compile(r"^(?P<pre>base_model\.model\.)(?P<module>.+?)(?P<rest>\.lora_.*)$")
 STACKED_KEY = re.compile(r"^(?P<pre>.*?)(?:language_model\.model\.|model\.(?:language_model\.)?)"
                          r"layers\.(?P<layer>\d+)\..*experts\.lora_(?P<ab>[AB])\.(?P<proj>gate|up|down)$")
+# Any other LoRA tensor of a PEFT save: its module path between PEFT's prefix and the LoRA's own names.
+_PLAIN_LORA = re.compile(r"^(?P<pre>base_model\.model\.)(?P<module>.+?)(?P<rest>\.lora_.*)$")
 
 
 def json_object(path: Path, damaged: str, kind: str) -> dict:
