@@ -135,7 +135,7 @@ def test_a_forward_under_inference_mode_before_training_leaves_usable_copies(mon
 
 
 @needs_cuda
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3", "nemotron_h"])  # Nemotron-H: no gate LoRA
 def test_training_matches_lora_in_cpu_ram(monkeypatch, model_type):
     cuda = torch.device("cuda")
     monkeypatch.setenv("KT_SFT_LORA_ON_GPU", "0")
