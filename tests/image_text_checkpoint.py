@@ -49,20 +49,39 @@ GLM_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}")
 
 
+def _content_of_message(image: str) -> str:
+    """Jinja that sets `content` to a message's text, each image in it written as `image` (for the models whose
+    processor expands one token into the image's)."""
+    return ("{%- if message['content'] is string %}{%- set content = message['content'] %}"
+            "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
+            "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '" + image + "' %}"
+            "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
+            "{%- set content = content.s %}{%- endif %}")
+
+
 # Llama 4's special tokens, and its chat format (LLaMA-Factory's llama4 template) as a chat template: an image is
 # <|image|>, which its processor expands into the image's tokens.
 LLAMA4_SPECIAL = ["<|end_of_text|>", "<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|eom|>",
                   "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
                   "<|tile_y_separator|>"]
 LLAMA4_TEMPLATE = (
-    "{{- bos_token }}{%- for message in messages %}"
-    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
-    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|image|>' %}"
-    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
-    "{%- set content = content.s %}{%- endif %}"
+    "{{- bos_token }}{%- for message in messages %}" + _content_of_message("<|image|>") +
     "{{- '<|header_start|>' + message['role'] + '<|header_end|>\n\n' + content + '<|eot|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|header_start|>assistant<|header_end|>\n\n' }}{%- endif %}")
+
+
+def _save(build, out: Path, seed: int, tok, eos: list[int], pad: int, bos: int) -> None:
+    """The model build() makes from seed, saved to out with its generation config and tokenizer; its lm_head drawn
+    wide enough for LoRA to fit the data, as in the demo."""
+    import transformers
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0, 0.15)
+    model.save_pretrained(out)
+    transformers.GenerationConfig(eos_token_id=eos, pad_token_id=pad, bos_token_id=bos,
+                                  do_sample=False).save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def _llama4(out: Path, seed: int) -> Path:
@@ -84,14 +103,8 @@ def _llama4(out: Path, seed: int) -> Path:
     config = transformers.Llama4Config(text_config=text, vision_config=vision, image_token_index=ids["<|patch|>"],
                                        boi_token_index=ids["<|image_start|>"], eoi_token_index=ids["<|image_end|>"],
                                        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.Llama4ForConditionalGeneration(config)
-    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
-        model.get_output_embeddings().weight.normal_(0, 0.15)
-    model.save_pretrained(out)
-    transformers.GenerationConfig(eos_token_id=[ids["<|eot|>"], ids["<|eom|>"]], pad_token_id=ids["<|end_of_text|>"],
-                                  bos_token_id=ids["<|begin_of_text|>"], do_sample=False).save_pretrained(out)
-    tok.save_pretrained(out)
+    _save(lambda: transformers.Llama4ForConditionalGeneration(config), out, seed, tok,
+          eos=[ids["<|eot|>"], ids["<|eom|>"]], pad=ids["<|end_of_text|>"], bos=ids["<|begin_of_text|>"])
     images = Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=1, image_mean=[0.5] * 3,
                                   image_std=[0.5] * 3)
     transformers.Llama4Processor(image_processor=images, tokenizer=tok, patch_size=4, pixel_shuffle_ratio=0.5,
@@ -106,12 +119,7 @@ GEMMA4_SPECIAL = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "
 GEMMA4_NAMED = {"image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>",
                 "audio_token": "<|audio|>", "boa_token": "<|audio>", "eoa_token": "<audio|>"}
 GEMMA4_TEMPLATE = (
-    "{{- bos_token }}{%- for message in messages %}"
-    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
-    "{%- else %}{%- set content = namespace(s='') %}{%- for item in message['content'] %}"
-    "{%- if item['type'] == 'image' %}{%- set content.s = content.s + '<|image|>' %}"
-    "{%- else %}{%- set content.s = content.s + item['text'] %}{%- endif %}{%- endfor %}"
-    "{%- set content = content.s %}{%- endif %}"
+    "{{- bos_token }}{%- for message in messages %}" + _content_of_message("<|image|>") +
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{- '<|turn>' + role + '\n' + content + '<turn|>\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|turn>model\n' }}{%- endif %}")
@@ -138,14 +146,8 @@ def _gemma4(out: Path, seed: int) -> Path:
     config = transformers.Gemma4Config(text_config=text, vision_config=vision, image_token_id=ids["<|image|>"],
                                        boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
                                        tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForImageTextToText.from_config(config)
-    with torch.no_grad():  # as in the demo: a wide enough lm_head for LoRA to fit the data
-        model.get_output_embeddings().weight.normal_(0, 0.15)
-    model.save_pretrained(out)
-    transformers.GenerationConfig(eos_token_id=[ids["<turn|>"], ids["<eos>"]], pad_token_id=ids["<pad>"],
-                                  bos_token_id=ids["<bos>"], do_sample=False).save_pretrained(out)
-    tok.save_pretrained(out)
+    _save(lambda: transformers.AutoModelForImageTextToText.from_config(config), out, seed, tok,
+          eos=[ids["<turn|>"], ids["<eos>"]], pad=ids["<pad>"], bos=ids["<bos>"])
     patches = dict(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3)
     transformers.Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(), tokenizer=tok,
                                  image_processor=Gemma4ImageProcessor(**patches),
