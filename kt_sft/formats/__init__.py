@@ -20,12 +20,17 @@ from . import fp8_block, int4_group
 EXPERT_FORMATS = {"bf16": "bf16", "fp8": "fp8_block128", "int4": "int4_group32"}
 
 
+def stacked(gated: bool) -> int:
+    """Projections in gate_up per expert: gate's and up's rows, or up's alone without a gate."""
+    return 2 if gated else 1
+
+
 def check_fused_layout(gate_up: torch.Tensor, down: torch.Tensor, gated: bool = True) -> None:
     """gate_up [E, 2I, H] ([E, I, H], up's rows alone, without a gate) and down [E, H, I] of the same experts, or a
     ValueError that says what they must be."""
-    stacked = 2 if gated else 1
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % stacked or \
-            tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // stacked):
+    n = stacked(gated)
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % n or \
+            tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // n):
         raise ValueError(f"{'gate_up_proj' if gated else 'up_proj'} {tuple(gate_up.shape)} and down_proj "
                          f"{tuple(down.shape)} do not describe the same experts; they must be "
                          f"[E, {'2I' if gated else 'I'}, H] and [E, H, I].")
@@ -42,7 +47,7 @@ class QuantizedExperts:
 
     @property
     def stacked(self) -> int:
-        return 2 if self.gated else 1
+        return stacked(self.gated)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -52,7 +57,7 @@ class QuantizedExperts:
     @classmethod
     def empty(cls, fmt: str, E: int, H: int, I: int, gated: bool = True) -> "QuantizedExperts":
         """Uninitialized buffers of the format's layout, for loaders to fill."""
-        n = 2 if gated else 1
+        n = stacked(gated)
         if fmt == "fp8":
             return cls(fmt, torch.empty(E, n * I, H, dtype=torch.float8_e4m3fn),
                        torch.empty(E, H, I, dtype=torch.float8_e4m3fn),

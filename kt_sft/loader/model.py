@@ -468,8 +468,8 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
     q = QuantizedExperts.empty(target, E, H, I, arch.unit.gated)
     for e in range(E):
         if source != target:
-            values = [_expert_values(ckpt, source, key) for key in keys[e]]
-            q.set_expert(e, *([] if arch.unit.gated else [None]), *values)
+            values = dict(zip(arch.projections, (_expert_values(ckpt, source, key) for key in keys[e])))
+            q.set_expert(e, values.get(0), values[1], values[2])  # no gate (0) without one
             continue
         # The checkpoint's own bytes: values, then scales (FP8 keeps gate's and up's block grids apart); up's are the
         # last of the stack.

@@ -54,7 +54,7 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
             stored = next((b for b in bases if f"{b}0.{first}.weight" in state_dict), bases[0])
             keys = [f"{stored}{{}}.{arch.checkpoint_projections[p]}.weight" for p in arch.projections]
             E, I = module.gate_up_proj.shape[0], module.down_proj.shape[-1]
-            slices.update({name + ".gate_up_proj": len(keys[:-1]) * E, name + ".down_proj": E})
+            slices.update({name + ".gate_up_proj": module.unit.stacked * E, name + ".down_proj": E})
             # gate's rows and up's (the last I of gate_up, with a gate or without), then down's.
             places = (("gate_up_proj", slice(0, I)), ("gate_up_proj", slice(-I, None)), ("down_proj", slice(None)))
             for e in range(E):
