@@ -21,7 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..loader.checkpoint import open_safetensors, write_safetensors
-from ..models import architecture_of, canonical_model_type, composite_prefix
+from ..models import architecture_of, canonical_model_type, composite_of
 from ..ops.reference import PROJECTIONS
 from .modeling import SETTINGS_KEY
 
@@ -81,16 +81,18 @@ def read_config(model_dir: Path) -> dict:
 
 
 def text_config(config: dict, config_dir: Path) -> dict:
-    """A config.json's text model: the config itself, or a composite's (Kimi-K2.5) text_config."""
+    """A config.json's served model: the config itself, or a composite's part (Kimi-K2.5's text_config, Qwen3-Omni's
+    thinker_config)."""
     if not isinstance(config.get("model_type"), str):
         raise ValueError(f"{config_dir}/config.json gives model_type = {config.get('model_type')!r}; it must be a "
                          "name such as \"qwen3_moe\": the file was edited or is not a model's.")
-    if composite_prefix(config.get("model_type")) is None:
+    composite = composite_of(config.get("model_type"))
+    if composite is None:
         return config
-    if not isinstance(config.get("text_config"), dict):
+    if not isinstance(config.get(composite.config_key), dict):
         raise ValueError(f"{config_dir}/config.json declares model_type {config.get('model_type')!r} but has no "
-                         "text_config; the download is incomplete or not that model.")
-    return config["text_config"]
+                         f"{composite.config_key}; the download is incomplete or not that model.")
+    return config[composite.config_key]
 
 
 def resolved(path: str | Path) -> Path:
@@ -233,7 +235,7 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     # composite's text model (refused, by the checkpoint's model_type), or the text model of a Qwen3.5-MoE that an
     # earlier kt_sft prepared.
     source_type = settings.get("source_model_type") if settings else model.get("model_type")
-    if composite_prefix(source_type) is not None:
+    if composite_of(source_type) is not None and not composite_of(source_type).per_expert_export:
         raise ValueError(f"{source_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
     arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model.get("model_type"))))

@@ -142,20 +142,36 @@ def register_alias(model_type: str, same_as: str) -> None:
     _ALIASES[model_type] = same_as
 
 
-# Composite checkpoints (a text model beside e.g. a vision tower) whose text model alone is served, where
-# transformers has no class for the whole model (Kimi-K2.5): top-level model_type -> the prefix of the text model's
-# weight keys, whose other keys are not read. Their config.json nests the text model's config as text_config.
-# Image-text models that transformers builds whole (Qwen3-VL-MoE, Qwen3.5-MoE) are registered as architectures.
-_COMPOSITES: dict[str, str] = {}
+# Composite checkpoints whose one part alone is served (its other keys are not read): a text model beside a vision
+# tower where transformers has no class for the whole model (Kimi-K2.5), or Qwen3-Omni's thinker (text, images, audio
+# and video in, text out) beside the talker and vocoder that speak its answers, which LLaMA-Factory drops after loading
+# them. Image-text models that transformers builds whole (Qwen3-VL-MoE, Qwen3.5-MoE) are registered as architectures.
+@dataclass(frozen=True)
+class Composite:
+    weight_prefix: str  # of the served part's weight keys ("language_model.", "thinker.")
+    part: str = "text model"  # what the served part is, as errors name it
+    config_key: str = "text_config"  # where config.json nests the served part's config
+    # Whether a per-expert adapter of the served part names modules that runtimes build (Qwen3-Omni's thinker, as
+    # LLaMA-Factory trains it under transformers 4.x); Kimi-K2.5's text model has no such runtime.
+    per_expert_export: bool = False
 
 
-def register_composite(model_type: str, text_weight_prefix: str) -> None:
-    _COMPOSITES[model_type] = text_weight_prefix
+_COMPOSITES: dict[str, Composite] = {}
+
+
+def register_composite(model_type: str, composite: Composite) -> None:
+    _COMPOSITES[model_type] = composite
+
+
+def composite_of(model_type: str) -> Composite | None:
+    """The registered composite that `model_type` names, else None."""
+    return _COMPOSITES.get(model_type)
 
 
 def composite_prefix(model_type: str) -> str | None:
-    """The weight-key prefix of the text model when `model_type` is a registered composite, else None."""
-    return _COMPOSITES.get(model_type)
+    """The weight-key prefix of the served part when `model_type` is a registered composite, else None."""
+    composite = _COMPOSITES.get(model_type)
+    return composite.weight_prefix if composite else None
 
 
 def canonical_model_type(model_type: str) -> str:
@@ -171,10 +187,15 @@ def text_config_of(config):
 def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
-        if model_type in _ALIASES or model_type in _COMPOSITES:  # a model built by its own remote code
+        if model_type in _ALIASES:  # a model built by its own remote code
             raise ValueError(f"this {model_type} model was built by its own remote code, whose modules kt_sft does not "
                              f"replace; run `kt-sft prepare` on its directory, which serves it as "
-                             f"{_ALIASES.get(model_type, 'its text model')} with stock transformers.")
+                             f"{_ALIASES[model_type]} with stock transformers.")
+        if model_type in _COMPOSITES:
+            part = _COMPOSITES[model_type].part
+            raise ValueError(f"kt_sft serves a {model_type} model's {part} alone; run `kt-sft prepare` on its "
+                             f"directory, which serves the {part} with stock transformers, or give kt_sft the {part} "
+                             "of the model already loaded.")
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     arch = _REGISTRY[model_type]

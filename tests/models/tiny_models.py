@@ -121,6 +121,19 @@ CONFIGS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
+    "qwen3_omni_moe_thinker": lambda: transformers.Qwen3OmniMoeThinkerConfig(  # Qwen3-Omni's thinker: text, images
+        text_config={**COMMON, "vocab_size": 104, "head_dim": 16, "moe_intermediate_size": 40,  # and audio
+                     "num_experts": 8, "num_experts_per_tok": 2, "rope_parameters": {
+                         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True}},
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
+                          output_dim=64, n_window=4, n_window_infer=8, downsample_hidden_size=8,
+                          max_source_positions=64),
+        audio_token_id=96, image_token_id=97, video_token_id=98, audio_start_token_id=99, vision_start_token_id=100,
+        vision_end_token_id=101, audio_end_token_id=102),
     "jamba": lambda: transformers.JambaConfig(  # attention, Mamba + experts, attention, Mamba + experts
         **{**COMMON, "num_hidden_layers": 4}, intermediate_size=40, num_experts=6, num_experts_per_tok=2,
         expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
@@ -179,6 +192,8 @@ def tiny_model(model_type: str, seed: int = 0) -> transformers.PreTrainedModel:
                 p.normal_(0, 0.1)
             if name.endswith("experts.gate_up_proj_bias"):  # gpt_oss: wide enough that some g and u pass the clamps
                 p.normal_(0, 4)
+            if name.startswith("audio_tower.") and p.dim() >= 2:  # Qwen3-Omni's thinker: at the default init its
+                p.normal_(0, p[0].numel() ** -0.5)  # audio tower's output barely moves with its input (1e-5)
     return model.eval()
 
 
