@@ -45,7 +45,7 @@ def step_grads(model, device, autocast, batch=None):
                                         "qwen3_5_moe+images", "glm4v_moe+images", "phimoe", "hy_v3", "jamba",
                                         "lfm2_moe", "longcat_flash", "llama4+images", "gpt_oss",
                                         "granitemoe", "granitemoehybrid", "minimax", "mistral4", "gemma4",
-                                        "nemotron_h"])
+                                        "nemotron_h", "qwen3_omni_moe_thinker"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     model_type, _, images = model_type.partition("+")  # the image-text models: their vision tower on CUDA too
     # Llama 4's images: its own batch (its LoRA on o_proj reaches the vision tower, whose grads a text batch leaves

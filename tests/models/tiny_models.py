@@ -225,6 +225,45 @@ def image_batch(seed: int, rows: int = 2) -> dict:
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
 
 
+def omni_batch(seed: int, rows: int = 2) -> dict:
+    """A training batch for the tiny Qwen3-Omni thinker: each row a 16x16 image (4 image tokens between vision start
+    and end) and 32 frames of 16 mel bins (4 audio tokens between audio start and end) inside random text; labels skip
+    the media tokens."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.tensor([100, 97, 97, 97, 97, 101]).expand(rows, -1)
+    audio = torch.tensor([99, 96, 96, 96, 96, 102]).expand(rows, -1)
+    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 2, 4)]
+    ids = torch.cat([text[0], image, text[1], audio, text[2]], 1)
+    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+                pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
+                image_grid_thw=torch.tensor([[1, 4, 4]] * rows), input_features=torch.randn(rows, 16, 32, generator=g),
+                feature_attention_mask=torch.ones(rows, 32, dtype=torch.int64))
+
+
+# What a Qwen3-Omni Instruct checkpoint holds beside its thinker (a few of the talker's and vocoder's tensors).
+OMNI_SPEECH = {"talker.model.layers.0.mlp.experts.0.gate_proj.weight": torch.ones(8, 16),
+               "talker.model.layers.0.mlp.shared_expert.gate_proj.weight": torch.ones(8, 16),
+               "code2wav.code_embedding.weight": torch.ones(8, 16)}
+
+
+def qwen3_omni_published(path) -> transformers.PreTrainedModel:
+    """The tiny Qwen3-Omni thinker saved as Qwen3-Omni Instruct is published: config.json of the whole model
+    (model_type qwen3_omni_moe, the thinker's config as thinker_config beside the talker's), the thinker's weights
+    under `thinker.` (experts per expert) beside the talker's and the vocoder's. Returns the stock thinker."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    model = tiny_model("qwen3_omni_moe_thinker")
+    save_checkpoint(model, path)
+    state = {f"thinker.{k}": v for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+    save_file({**state, **OMNI_SPEECH}, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    config = {"model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+              "enable_audio_output": True, "thinker_config": model.config.to_dict(),
+              "talker_config": {"model_type": "qwen3_omni_moe_talker", "thinker_hidden_size": 64}}
+    (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
+    return model
+
+
 def _published(model_type: str, path, transposed: bool = False, **extra) -> transformers.PreTrainedModel:
     """The tiny model_type saved with its weights under the module tree's names, each layer's experts fused (as the
     module holds them, or transposed), whatever layout this transformers version's save_pretrained writes (5.17's
