@@ -1,7 +1,7 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4 or Gemma 4 as published (no hub access): config, weights (Qwen's experts
-fused, Qwen3-VL-MoE's transposed; GLM's per expert), a byte-level tokenizer holding the model's special tokens, its
-image and video processors and chat template; and a dataset of coloured images to ask about, in LLaMA-Factory's
-multimodal sharegpt format."""
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4, Gemma 4 or Qwen3-Omni as published (no hub access): config,
+weights (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's and Qwen3-Omni's per expert), a byte-level tokenizer
+holding the model's special tokens, its image and video processors and chat template; and a dataset of coloured images
+to ask about, in LLaMA-Factory's multimodal sharegpt format."""
 from __future__ import annotations
 
 import json
@@ -156,6 +156,54 @@ def _gemma4(out: Path, seed: int) -> Path:
     return out
 
 
+# Qwen3-Omni's audio tokens after Qwen3-VL's, and what its processor reads as the tokenizer's attributes.
+OMNI_AUDIO = ["<|audio_start|>", "<|audio_end|>", "<|audio_pad|>"]
+OMNI_NAMED = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
+              "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
+              "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>"}
+
+
+def _qwen3_omni(out: Path, seed: int) -> Path:
+    """A tiny Qwen3-Omni as published: config.json of the whole model (the thinker's as thinker_config; audio output
+    off, as in Thinking and Captioner), the thinker's weights under `thinker.` (experts per expert), its tokenizer
+    and processor (images, videos, 16 mel bins of audio)."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    special = SPECIAL + OMNI_AUDIO
+    tok = _tokenizer(special, EXTRA, "<|im_end|>", TEMPLATE, named=OMNI_NAMED)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    text = dict(vocab_size=288, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                max_position_embeddings=4096, eos_token_id=eos[0],
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+    audio = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
+                 output_dim=128, n_window=4, n_window_infer=8, downsample_hidden_size=8, max_source_positions=64)
+    config = transformers.Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=vision, audio_config=audio, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], audio_token_id=ids["<|audio_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        audio_start_token_id=ids["<|audio_start|>"], audio_end_token_id=ids["<|audio_end|>"])
+    _save(lambda: transformers.Qwen3OmniMoeThinkerForConditionalGeneration(config), out, seed, tok, eos,
+          ids["<|endoftext|>"], None)
+    state = load_file(str(out / "model.safetensors"))
+    save_file({f"thinker.{k}": v for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+        "enable_audio_output": False, "thinker_config": config.to_dict()}, indent=2))
+    common = dict(patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                  size={"shortest_edge": 32 * 32, "longest_edge": PIXELS})
+    transformers.Qwen3OmniMoeProcessor(
+        image_processor=Qwen2VLImageProcessor(**common), video_processor=Qwen2VLVideoProcessor(**common),
+        feature_extractor=transformers.WhisperFeatureExtractor(feature_size=16), tokenizer=tok,
+        chat_template=TEMPLATE).save_pretrained(out)
+    return out
+
+
 def _tokenizer(special, extra, eos, template, pad="<|endoftext|>", bos=None, named=None):
     """A byte-level tokenizer with special (and extra) tokens after the bytes; named: the special tokens a processor
     reads as the tokenizer's attributes (Gemma 4's image_token, boi_token, ...)."""
@@ -180,6 +228,8 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
         return _llama4(out, seed)
     if model_type == "gemma4":
         return _gemma4(out, seed)
+    if model_type == "qwen3_omni_moe":
+        return _qwen3_omni(out, seed)
     glm = model_type == "glm4v_moe"
     tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
         _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
