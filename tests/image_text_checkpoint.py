@@ -180,7 +180,8 @@ def _qwen3_omni(out: Path, seed: int) -> Path:
                 rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+                  temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0, 1])
     audio = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
                  output_dim=128, n_window=4, n_window_infer=8, downsample_hidden_size=8, max_source_positions=64)
     config = transformers.Qwen3OmniMoeThinkerConfig(
