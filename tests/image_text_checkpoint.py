@@ -183,7 +183,7 @@ def _qwen3_omni(out: Path, seed: int) -> Path:
                   temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1])
     audio = dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
-                 output_dim=128, n_window=4, n_window_infer=8, downsample_hidden_size=8, max_source_positions=64)
+                 output_dim=128, n_window=50, n_window_infer=400, downsample_hidden_size=8, max_source_positions=64)
     config = transformers.Qwen3OmniMoeThinkerConfig(
         text_config=text, vision_config=vision, audio_config=audio, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], audio_token_id=ids["<|audio_pad|>"],
