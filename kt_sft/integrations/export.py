@@ -232,8 +232,8 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     base, model = base_config(adapter_dir, config, model_dir)
     settings = prepared_settings(base, model)
     # A prepared directory's config.json is the model it serves, and the adapter names that model's modules: a
-    # composite's text model (refused, by the checkpoint's model_type), or the text model of a Qwen3.5-MoE that an
-    # earlier kt_sft prepared.
+    # composite's part (refused, by the checkpoint's model_type, where no runtime builds that part's per-expert
+    # modules: Kimi-K2.5's text model), or the text model of a Qwen3.5-MoE that an earlier kt_sft prepared.
     source_type = settings.get("source_model_type") if settings else model.get("model_type")
     if composite_of(source_type) is not None and not composite_of(source_type).per_expert_export:
         raise ValueError(f"{source_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
