@@ -233,11 +233,14 @@ def export_adapter(adapter_dir: str | Path, out_dir: str | Path, model_dir: str 
     settings = prepared_settings(base, model)
     # A prepared directory's config.json is the model it serves, and the adapter names that model's modules: a
     # composite's part (refused, by the checkpoint's model_type, where no runtime builds that part's per-expert
-    # modules: Kimi-K2.5's text model), or the text model of a Qwen3.5-MoE that an earlier kt_sft prepared.
+    # modules: Kimi-K2.5's text model), or the text model of a Qwen3.5-MoE that an earlier kt_sft prepared. A
+    # published composite's config.json nests that part's.
     source_type = settings.get("source_model_type") if settings else model.get("model_type")
-    if composite_of(source_type) is not None and not composite_of(source_type).per_expert_export:
+    composite = composite_of(source_type)
+    if composite is not None and not composite.per_expert_export:
         raise ValueError(f"{source_type} is a composite checkpoint; its per-expert adapter layout is not defined by "
                          "any runtime kt_sft knows, so the per-expert export is not supported for it.")
+    model = text_config(model, base)
     arch = architecture_of(SimpleNamespace(model_type=canonical_model_type(model.get("model_type"))))
     if arch.gate_up_interleaved or arch.restructure is not None:  # GPT-OSS; Granite's input_linear, output_linear
         raise ValueError(f"{arch.model_type}'s experts exist only fused in its checkpoints and runtimes, so no runtime "

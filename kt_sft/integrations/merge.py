@@ -36,7 +36,7 @@ from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
 from ..loader.model import fused_keys, fused_transposed, stored_in_mxfp4
 from ..loader.quantization import read_weight, weight_keys
-from ..models import architecture_of, canonical_model_type, composite_prefix
+from ..models import architecture_of, canonical_model_type, served_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, expert_sizes,
                      prepared_settings, read_config, require_new_dir, resolved, text_config, written_beside)
@@ -88,8 +88,9 @@ class MergeReport:
 
 
 def source_of(model_dir: Path) -> tuple[Path, str, dict]:
-    """(published checkpoint directory, key prefix of its text model, that text model's config with its canonical
-    model_type): model_dir is the published checkpoint or a `kt-sft prepare` directory pointing at it."""
+    """(published checkpoint directory, key prefix of the model kt_sft serves of it (a composite's part: Kimi-K2.5's
+    text model, Qwen3-Omni's thinker), that model's config with its canonical model_type): model_dir is the
+    published checkpoint or a `kt-sft prepare` directory pointing at it."""
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json; point at the model the adapter was trained on (the "
                                 "published checkpoint or its `kt-sft prepare` directory).")
@@ -101,7 +102,7 @@ def source_of(model_dir: Path) -> tuple[Path, str, dict]:
                                 "deleted?); pass the published checkpoint itself.")
     if settings:
         config = read_config(source)
-    text, prefix = text_config(config, source), composite_prefix(config.get("model_type")) or ""
+    text, prefix = text_config(config, source), served_prefix(config.get("model_type"))
     return source, prefix, {**text, "model_type": canonical_model_type(text.get("model_type"))}
 
 

@@ -19,7 +19,7 @@ from ..formats import EXPERT_FORMATS
 from ..loader.checkpoint import Checkpoint
 from ..loader.model import check_checkpoint, model_class
 from ..loader.quantization import checkpoint_format, engine_format, quantization_config_of
-from ..models import architecture_of, canonical_model_type, composite_prefix
+from ..models import architecture_of, canonical_model_type, served_prefix
 from .export import read_config, resolved, text_config
 from .modeling import SETTINGS_KEY, file_digest
 
@@ -64,15 +64,15 @@ def auto_classes(config) -> tuple[str, ...]:
 
 def checked_source(source: Path) -> tuple[dict, str, str, str, tuple[str, ...]]:
     """(the config.json of the model kt_sft loads from the checkpoint directory `source`, the published model_type,
-    the experts' published format, the weight-key prefix of its text model, the transformers auto classes that
+    the experts' published format, the weight-key prefix of the model served, the transformers auto classes that
     load it: auto_classes), after every check of config.json and the shards' headers that the load makes: the
     model a prepared directory holds is its text model (the whole image-text model where transformers builds one:
-    Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V), with kt_sft's own model_type and no quantization_config (the loader reads
+    Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V; a composite's part: Kimi-K2.5's text model, Qwen3-Omni's thinker), with kt_sft's own model_type and no quantization_config (the loader reads
     quantized weights itself, so to transformers and LLaMA-Factory it is not a quantized model) or remote code."""
     raw = read_config(source)
     published_type = raw.get("model_type")
     fmt = checkpoint_format(quantization_config_of(raw))
-    prefix = composite_prefix(published_type) or ""
+    prefix = served_prefix(published_type)
     raw = dict(text_config(raw, source))
     raw.pop("quantization_config", None)
     raw["model_type"] = canonical_model_type(raw.get("model_type"))

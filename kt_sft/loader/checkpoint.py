@@ -63,7 +63,7 @@ INDEX_NAME = "model.safetensors.index.json"
 
 class Checkpoint:
     """Keys are the checkpoint's own, or, with `prefix` (e.g. "language_model." for Kimi-K2.5, whose text model
-    sits beside a vision tower), only the keys under it, with the prefix removed."""
+    sits beside a vision tower; "thinker." for Qwen3-Omni), only the keys under it, with the prefix removed."""
 
     def __init__(self, directory: str | Path, prefix: str = ""):
         self.dir = Path(directory)

@@ -579,7 +579,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     """The stock model of config.model_type with its routed experts in the CPU engine. expert_format: 'bf16',
     'fp8' or 'int4' (default: the checkpoint's own format). train_base: BF16 expert weights are trainable
     parameters (full fine-tuning); quantized experts never are. checkpoint_prefix: the weight-key prefix of the
-    text model in a composite checkpoint (Kimi-K2.5: "language_model.")."""
+    part served of a composite checkpoint (Kimi-K2.5's text model: "language_model."; Qwen3-Omni's thinker)."""
     require_one_process()
     require_settings()
     arch = architecture_of(config)

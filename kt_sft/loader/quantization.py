@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import fp8_block, int4_group
+from ..models.registry import composite_of
 
 SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]), compressed-tensors pack-quantized "
              "int4 (symmetric, group_size 32), mxfp4 (GPT-OSS's experts, read into BF16, FP8 or INT4), or no "
@@ -18,8 +19,13 @@ def _unsupported(what: str) -> ValueError:
 
 
 def quantization_config_of(raw_config: dict) -> dict | None:
-    """A config.json's quantization_config, at the top or (composite checkpoints) in its text_config."""
-    return raw_config.get("quantization_config") or (raw_config.get("text_config") or {}).get("quantization_config")
+    """A config.json's quantization_config, at the top or (composite checkpoints) in its text_config or the config
+    of the part kt_sft serves (Qwen3-Omni's thinker_config)."""
+    composite = composite_of(raw_config.get("model_type"))
+    nested = ("text_config", *((composite.config_key,) if composite else ()))
+    return raw_config.get("quantization_config") or next(
+        (raw_config[k]["quantization_config"] for k in nested
+         if isinstance(raw_config.get(k), dict) and raw_config[k].get("quantization_config")), None)
 
 
 def checkpoint_format(quantization_config: dict | None) -> str:

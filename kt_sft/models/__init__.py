@@ -5,7 +5,7 @@ from . import (afmoe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, exaone_moe,
                olmoe, phimoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe,
                solar_open)
 from .patch import use_cpu_experts
-from .registry import MoEArchitecture, architecture_of, canonical_model_type, composite_of, composite_prefix
+from .registry import MoEArchitecture, architecture_of, canonical_model_type, composite_of, served_prefix
 
-__all__ = ["MoEArchitecture", "architecture_of", "canonical_model_type", "composite_of", "composite_prefix",
+__all__ = ["MoEArchitecture", "architecture_of", "canonical_model_type", "composite_of", "served_prefix",
            "use_cpu_experts"]

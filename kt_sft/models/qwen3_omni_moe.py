@@ -7,5 +7,5 @@ published (thinker.model.layers.N.mlp.experts.E.gate_proj.weight)."""
 from .registry import Composite, MoEArchitecture, register, register_composite
 
 register(MoEArchitecture("qwen3_omni_moe_thinker", experts_classes=("Qwen3OmniMoeThinkerTextExperts",)))
-register_composite("qwen3_omni_moe", Composite("thinker.", part="thinker", config_key="thinker_config",
+register_composite("qwen3_omni_moe", Composite("thinker.", config_key="thinker_config", attribute="thinker",
                                                per_expert_export=True))

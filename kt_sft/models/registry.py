@@ -149,8 +149,10 @@ def register_alias(model_type: str, same_as: str) -> None:
 @dataclass(frozen=True)
 class Composite:
     weight_prefix: str  # of the served part's weight keys ("language_model.", "thinker.")
-    part: str = "text model"  # what the served part is, as errors name it
     config_key: str = "text_config"  # where config.json nests the served part's config
+    # The attribute of transformers' whole model that holds the served part (Qwen3-Omni's `thinker`); None where
+    # transformers has no class for the whole model (Kimi-K2.5's is its own remote code).
+    attribute: str | None = None
     # Whether a per-expert adapter of the served part names modules that runtimes build (Qwen3-Omni's thinker, as
     # LLaMA-Factory trains it under transformers 4.x); Kimi-K2.5's text model has no such runtime.
     per_expert_export: bool = False
@@ -168,10 +170,10 @@ def composite_of(model_type: str) -> Composite | None:
     return _COMPOSITES.get(model_type)
 
 
-def composite_prefix(model_type: str) -> str | None:
-    """The weight-key prefix of the served part when `model_type` is a registered composite, else None."""
+def served_prefix(model_type: str) -> str:
+    """The weight-key prefix of the part kt_sft serves of a `model_type` checkpoint: a composite's, else ""."""
     composite = _COMPOSITES.get(model_type)
-    return composite.weight_prefix if composite else None
+    return composite.weight_prefix if composite else ""
 
 
 def canonical_model_type(model_type: str) -> str:
@@ -187,15 +189,15 @@ def text_config_of(config):
 def architecture_of(config) -> MoEArchitecture:
     model_type = getattr(config, "model_type", None)
     if model_type not in _REGISTRY:
-        if model_type in _ALIASES:  # a model built by its own remote code
+        part = _COMPOSITES[model_type].attribute if model_type in _COMPOSITES else None
+        if part is not None:  # transformers' whole model, of which kt_sft serves one part
+            raise ValueError(f"kt_sft serves a {model_type} model's {part} alone, not the whole model; run `kt-sft "
+                             f"prepare` on its directory and load the prepared one, or give kt_sft the loaded model's "
+                             f"`.{part}`.")
+        if model_type in _ALIASES or model_type in _COMPOSITES:  # a model built by its own remote code
             raise ValueError(f"this {model_type} model was built by its own remote code, whose modules kt_sft does not "
                              f"replace; run `kt-sft prepare` on its directory, which serves it as "
-                             f"{_ALIASES[model_type]} with stock transformers.")
-        if model_type in _COMPOSITES:
-            part = _COMPOSITES[model_type].part
-            raise ValueError(f"kt_sft serves a {model_type} model's {part} alone; run `kt-sft prepare` on its "
-                             f"directory, which serves the {part} with stock transformers, or give kt_sft the {part} "
-                             "of the model already loaded.")
+                             f"{_ALIASES.get(model_type, 'its text model')} with stock transformers.")
         raise ValueError(f"model_type {model_type!r} is not supported by kt_sft; supported: "
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     arch = _REGISTRY[model_type]

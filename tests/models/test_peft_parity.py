@@ -523,6 +523,9 @@ def test_unsupported_model_type_is_a_clear_error():
     model.config = type("Config", (), {"model_type": "kimi_k2"})()
     with pytest.raises(ValueError, match="this kimi_k2 model was built by its own remote code.*kt-sft prepare"):
         use_cpu_experts(model)
+    model.config = type("Config", (), {"model_type": "kimi_k25"})()  # a composite of remote code: likewise
+    with pytest.raises(ValueError, match="this kimi_k25 model was built by its own remote code.*as its text model"):
+        use_cpu_experts(model)
 
 
 def test_lora_dropout_reaches_the_experts():

@@ -121,8 +121,10 @@ CONFIGS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
-    "qwen3_omni_moe_thinker": lambda: transformers.Qwen3OmniMoeThinkerConfig(  # Qwen3-Omni's thinker: text, images
-        text_config={**COMMON, "vocab_size": 104, "head_dim": 16, "moe_intermediate_size": 40,  # and audio
+    # Qwen3-Omni's thinker: text, images and audio; its audio in chunks of 2 * n_window = 100 frames, as published
+    # (transformers 5.17 assumes so where it counts audio tokens).
+    "qwen3_omni_moe_thinker": lambda: transformers.Qwen3OmniMoeThinkerConfig(
+        text_config={**COMMON, "vocab_size": 104, "head_dim": 16, "moe_intermediate_size": 40,
                      "num_experts": 8, "num_experts_per_tok": 2, "rope_parameters": {
                          "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                          "mrope_interleaved": True}},
@@ -131,8 +133,7 @@ CONFIGS = {
                            deepstack_visual_indexes=[0, 1]),
         audio_config=dict(num_mel_bins=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=32,
                           output_dim=64, n_window=50, n_window_infer=400, downsample_hidden_size=8,
-                          max_source_positions=64),  # chunks of 2 * n_window = 100 frames, which transformers 5.17
-        # assumes where it counts audio tokens (and the published config gives)
+                          max_source_positions=64),
         audio_token_id=96, image_token_id=97, video_token_id=98, audio_start_token_id=99, vision_start_token_id=100,
         vision_end_token_id=101, audio_end_token_id=102),
     "jamba": lambda: transformers.JambaConfig(  # attention, Mamba + experts, attention, Mamba + experts
