@@ -2,6 +2,7 @@
 weights under `thinker.` beside the talker's and the vocoder's, which are not read), its experts on the engine, and
 images and audio through its towers, against the stock thinker and against stock transformers + PEFT."""
 import json
+import re
 
 import peft
 import pytest
@@ -10,10 +11,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from kt_sft.cli import run
+from kt_sft.formats import fp8_block
 from kt_sft.loader import model as loader_model
 from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, train_alike
 from tiny_models import OMNI_SPEECH, omni_batch, qwen3_omni_published
 from tolerances import FP32_IO, rel_l2
@@ -129,3 +132,36 @@ def test_export_names_the_thinkers_per_expert_modules(tmp_path, model):
         for e in (0, 7):
             key = f"base_model.model.model.layers.1.mlp.experts.{e}.{proj}_proj.lora_B.weight"
             assert torch.equal(exported[key], stacked[e]), key
+
+
+@pytest.mark.parametrize("where", ["top", "thinker_config"])
+def test_fp8_experts_load_in_their_format_wherever_config_json_puts_the_quantization_config(tmp_path, where):
+    # Each expert's projections in FP8 (weight + weight_scale_inv per 128x128 block), under `thinker.` as the BF16
+    # release keeps them; the quantization_config at the top of config.json or in the thinker's. The stock thinker
+    # takes the values the codes decode to.
+    stock = qwen3_omni_published(tmp_path / "src")
+    state, out = load_file(str(tmp_path / "src" / "model.safetensors")), {}
+    expert = re.compile(r"thinker\.model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+    for key, t in state.items():
+        m = expert.fullmatch(key)
+        if m is None:
+            out[key] = t
+            continue
+        q, scale = fp8_block.quantize(t)
+        out[key], out[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+        layer, e, proj = int(m[1]), int(m[2]), m[3]
+        experts = stock.model.layers[layer].mlp.experts
+        rows = {"gate": slice(0, 40), "up": slice(40, 80)}.get(proj)
+        with torch.no_grad():
+            (experts.down_proj[e] if rows is None else experts.gate_up_proj[e, rows]).copy_(
+                fp8_block.dequantize(q, scale))
+    save_file(out, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (config if where == "top" else config["thinker_config"])["quantization_config"] = FP8_CONFIG
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "prepared")]) == 0
+    model = load(tmp_path / "prepared")
+    assert all(m.expert_format == "fp8" for m in model.modules() if isinstance(m, KTExpertsLinear))
+    batch = inputs(omni_batch(2))
+    with torch.no_grad():
+        assert rel_l2(model(**batch).logits, stock(**batch).logits) <= FP32_IO
