@@ -25,7 +25,9 @@ class MoEArchitecture:
     # one: the unit's `gated`).
     checkpoint_experts: str = "model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
     checkpoint_projections: tuple[str | None, str, str] = ("gate_proj", "up_proj", "down_proj")
-    # Checkpoint key fragments that the transformers module tree names differently (old, new).
+    # Checkpoint key fragments that the transformers module tree names differently (old, new); an old one that starts
+    # with "^" is a prefix of the key only (InternVL's `vision_tower.` is the module's `model.vision_tower.`, whose own
+    # name holds it).
     key_renames: tuple[tuple[str, str], ...] = ()
     # The MoE block's attribute holding shared experts that its stock forward applies to the block's input after
     # the routed experts: they run on the GPU meanwhile (models/overlap.py). None: no shared experts, or the block
@@ -56,6 +58,9 @@ class MoEArchitecture:
     unit: Glu = SWIGLU
     activation_field: str = "hidden_act"
     activations: tuple[str, ...] = ("silu", "swish")
+    # The text models (their config's model_type) whose experts the architecture serves, where its model_type wraps
+    # several kinds of text model (InternVL: Qwen3-MoE's, not GPT-OSS's nor the dense ones); None: its own.
+    text_model_types: tuple[str, ...] | None = None
     # Gives a stock model's MoE blocks an experts module of transformers 5's form (experts_classes), where they hold
     # their experts otherwise (Granite's input_linear and output_linear beside the router); None: they hold one.
     restructure: Callable | None = None
@@ -112,13 +117,13 @@ class MoEArchitecture:
 
     def module_key(self, checkpoint_key: str) -> str:
         for old, new in self.key_renames:
-            checkpoint_key = checkpoint_key.replace(old, new)
+            checkpoint_key = _renamed(checkpoint_key, old, new)
         return checkpoint_key
 
     def checkpoint_name(self, module_path: str) -> str:
         """module_key's way back: the checkpoint's name of a module tree path."""
         for old, new in self.key_renames:
-            module_path = module_path.replace(new, old)
+            module_path = _renamed(module_path, new, old.removeprefix("^"), old.startswith("^"))
         return module_path
 
     def stored_names(self, module_path: str) -> tuple[str, ...]:
@@ -126,6 +131,14 @@ class MoEArchitecture:
         Qwen3.5-MoE's model.language_model.), or the module's own where a save keeps those (Qwen3.5-MoE's text model
         saved on its own)."""
         return tuple(dict.fromkeys((self.checkpoint_name(module_path), module_path)))
+
+
+def _renamed(key: str, old: str, new: str, prefix_only: bool = False) -> str:
+    """key with old replaced by new: everywhere, or (old marked "^", or prefix_only) where key starts with it."""
+    if old.startswith("^") or prefix_only:
+        old = old.removeprefix("^")
+        return new + key[len(old):] if key.startswith(old) else key
+    return key.replace(old, new)
 
 
 _REGISTRY: dict[str, MoEArchitecture] = {}
@@ -202,6 +215,11 @@ def architecture_of(config) -> MoEArchitecture:
                          f"{', '.join(sorted([*_REGISTRY, *_ALIASES, *_COMPOSITES]))}.")
     arch = _REGISTRY[model_type]
     text = text_config_of(config)
+    text_type = getattr(text, "model_type", None)
+    if arch.text_model_types is not None and text is not config and text_type not in arch.text_model_types:
+        raise ValueError(f"this {model_type} model's text model is {text_type}; kt_sft serves {model_type} with a "
+                         f"{' or '.join(arch.text_model_types)} text model only (a dense one has no routed experts, "
+                         "and others' experts are of another kind): train this one with stock transformers.")
     # Checked here so that loading a checkpoint refuses it too, not only patching; a config that names no activation
     # (kt-sft merge and export look the architecture up by model_type alone) is not checked.
     act = getattr(text, arch.activation_field, None)

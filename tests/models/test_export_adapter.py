@@ -59,7 +59,8 @@ def per_expert_tree(peft_model, arch):
 
 # Qwen3-VL-MoE's and Qwen3.5-MoE's under model.language_model, Llama 4's under language_model.model; Nemotron-H's
 # experts have no gate.
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe", "qwen3_5_moe", "llama4", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen3_vl_moe", "qwen3_5_moe", "llama4", "nemotron_h",
+                                        "internvl"])
 def test_per_expert_adapter_loads_into_per_expert_modules_and_matches(model_type, tmp_path):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     assert run(["export", str(tmp_path / "adapter"), str(tmp_path / "out"), "--model", str(model_dir)]) == 0

@@ -17,14 +17,20 @@ from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, train_alike
-from tiny_models import image_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint, tiny_model
+from tiny_models import (image_batch, internvl_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint,
+                         tiny_model)
 from tolerances import FP32_IO, rel_l2
 
 INPUTS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
 
 
 def inputs(batch):
-    return {k: batch[k] for k in INPUTS}
+    return {k: batch[k] for k in INPUTS if k in batch}
+
+
+def batch_of(model_type):
+    """The tiny model_type's batches with images (InternVL's without grids: its images are of one size)."""
+    return internvl_batch if model_type == "internvl" else image_batch
 
 
 @pytest.mark.parametrize("layout", ["published", "module"])
@@ -107,15 +113,15 @@ def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path
         run(["prepare", str(src), str(tmp_path / "prepared")])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl"])
 def test_lora_training_steps_with_images_match_reference(model_type):
-    train_alike(*kt_and_reference(model_type), image_batch)
+    train_alike(*kt_and_reference(model_type), batch_of(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl"])
 def test_generation_about_an_image_with_the_adapter_matches_the_reference(model_type):
     kt, ref = kt_and_reference(model_type)
-    batch = inputs(image_batch(3, rows=1))
+    batch = inputs(batch_of(model_type)(3, rows=1))
     out = [m.eval().generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
                              return_dict_in_generate=True) for m in (kt, ref)]
     assert torch.equal(out[0].sequences, out[1].sequences)
@@ -191,3 +197,34 @@ def test_llamafactorys_targets_by_path_pass_over_the_shared_experts_block_but_no
     stock = tiny_model("qwen3_moe")  # no CPU experts: PEFT's own refusal of its experts module, as without kt_sft
     with pytest.raises(ValueError, match="is not supported"):
         peft.get_peft_model(stock.requires_grad_(False), peft.LoraConfig(r=4, target_modules=["q_proj", "experts"]))
+
+
+def test_internvl_as_published_loads_and_matches_with_images(tmp_path):
+    # InternVL3.5's -HF checkpoints keep LLaVA's names (language_model.model., language_model.lm_head, vision_tower,
+    # multi_modal_projector), as transformers saves them, the experts per expert.
+    stock = tiny_model("internvl")
+    save_checkpoint(stock, tmp_path / "src")
+    with safe_open(str(tmp_path / "src" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {"language_model.model.layers.0.mlp.experts.7.down_proj.weight", "language_model.lm_head.weight",
+            "multi_modal_projector.linear_1.weight"} <= keys
+    assert run(["prepare", str(tmp_path / "src"), str(tmp_path / "prepared")]) == 0
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "prepared", trust_remote_code=True,
+                                                                     dtype=torch.float32)
+    assert type(model).__name__ == "InternVLForConditionalGeneration"
+    assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2
+    batch = inputs(internvl_batch(0))
+    with torch.no_grad():
+        logits = model(**batch).logits
+        assert rel_l2(logits, stock(**batch).logits) <= FP32_IO
+        assert rel_l2(model(input_ids=batch["input_ids"]).logits, logits) > 0.1  # the images reach the logits
+
+
+def test_internvl_with_a_text_model_of_another_kind_is_refused(tmp_path):
+    config = transformers.InternVLConfig(**{**tiny_model("internvl").config.to_dict(), "text_config": {
+        "model_type": "qwen2", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}})
+    save_checkpoint(transformers.InternVLForConditionalGeneration(config), tmp_path / "src")
+    with pytest.raises(ValueError, match="this internvl model's text model is qwen2; kt_sft serves internvl with a "
+                                         "qwen3_moe text model only"):
+        run(["prepare", str(tmp_path / "src"), str(tmp_path / "prepared")])

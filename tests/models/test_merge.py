@@ -50,8 +50,9 @@ def updates_of(peft_model) -> dict:
     return out
 
 
-# Mixtral's and Phi's name experts w1/w3/w2; Nemotron-H's have no gate, under backbone.
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe", "nemotron_h"])
+# Mixtral's and Phi's name experts w1/w3/w2; Nemotron-H's have no gate, under backbone.; InternVL's under LLaVA's
+# language_model.model.
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "phimoe", "nemotron_h", "internvl"])
 def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type):
     peft_model, model_dir = trained_adapter(model_type, tmp_path)
     (model_dir / "consolidated.00.pth").write_bytes(b"other weights")  # left out: they would be unmerged
@@ -59,7 +60,7 @@ def test_float_checkpoint_merged_gives_the_unmerged_logits(tmp_path, model_type)
     # Not read (the single file is, as transformers reads it), so not written: it had been copied, naming no shard.
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
     assert run(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    merged = auto_class(model_type).from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert rel_l2(merged(IDS).logits, peft_model(input_ids=IDS).logits) <= FP32_IO
     before, after = Checkpoint(model_dir), Checkpoint(tmp_path / "merged")

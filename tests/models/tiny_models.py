@@ -121,6 +121,13 @@ CONFIGS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                            deepstack_visual_indexes=[0, 1]),
         image_token_id=96, video_token_id=97, vision_start_token_id=98, vision_end_token_id=99),
+    # InternVL3.5-30B-A3B's kind: a Qwen3-MoE text model; each 56x56 image 4x4 patches, shuffled into 4 image tokens.
+    "internvl": lambda: transformers.InternVLConfig(
+        text_config={**COMMON, "model_type": "qwen3_moe", "vocab_size": 100, "head_dim": 16, "intermediate_size": 96,
+                     "moe_intermediate_size": 40, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True},
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=[56, 56], patch_size=[14, 14]),
+        image_token_id=96, downsample_ratio=0.5, projector_hidden_act="gelu", tie_word_embeddings=False),
     # Qwen3-Omni's thinker: text, images and audio; its audio in chunks of 2 * n_window = 100 frames, as published
     # (transformers 5.17 assumes so where it counts audio tokens).
     "qwen3_omni_moe_thinker": lambda: transformers.Qwen3OmniMoeThinkerConfig(
@@ -225,6 +232,17 @@ def image_batch(seed: int, rows: int = 2) -> dict:
     return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100), mm_token_type_ids=(ids == 96).long(),
                 pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
+
+
+def internvl_batch(seed: int, rows: int = 2) -> dict:
+    """A training batch for the tiny InternVL: each row a 56x56 image (4 image tokens between <img> and </img>, ids
+    98 and 99) inside random text; labels skip the image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.tensor([98, 96, 96, 96, 96, 99]).expand(rows, -1)
+    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
+    ids = torch.cat([text[0], image, text[1]], 1)
+    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+                pixel_values=torch.randn(rows, 3, 56, 56, generator=g))
 
 
 def omni_batch(seed: int, rows: int = 2) -> dict:
