@@ -1,7 +1,7 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4, Gemma 4 or Qwen3-Omni as published (no hub access): config,
-weights (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's and Qwen3-Omni's per expert), a byte-level tokenizer
-holding the model's special tokens, its image and video processors and chat template; and a dataset of coloured images
-to ask about, in LLaMA-Factory's multimodal sharegpt format."""
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4, Gemma 4, Qwen3-Omni or InternVL3.5 as published (no hub access):
+config, weights (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's, Qwen3-Omni's and InternVL's per expert), a
+byte-level tokenizer holding the model's special tokens, its image and video processors and chat template; and a
+dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
 from __future__ import annotations
 
 import json
@@ -205,6 +205,41 @@ def _qwen3_omni(out: Path, seed: int) -> Path:
     return out
 
 
+# InternVL's image tokens after Qwen3-VL's, and what its processor reads as the tokenizer's attributes.
+INTERNVL_IMAGE = ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+INTERNVL_NAMED = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                  "video_token": "<video>"}
+
+
+def _internvl(out: Path, seed: int) -> Path:
+    """A tiny InternVL3.5 with a Qwen3-MoE text model as its -HF checkpoints are published (LLaVA's names, the
+    experts per expert: transformers' own save), its tokenizer and processor (each 64x64 image one tile of 4x4
+    patches, shuffled into 4 image tokens)."""
+    import transformers
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import GotOcr2ImageProcessor
+    from transformers.models.internvl.video_processing_internvl import InternVLVideoProcessor
+    special = SPECIAL + INTERNVL_IMAGE
+    template = TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<IMG_CONTEXT>")
+    tok = _tokenizer(special, EXTRA, "<|im_end|>", template, named=INTERNVL_NAMED)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in special}
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    text = dict(model_type="qwen3_moe", vocab_size=288, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+                eos_token_id=eos[0])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=[64, 64], patch_size=[16, 16])
+    config = transformers.InternVLConfig(text_config=text, vision_config=vision, image_token_id=ids["<IMG_CONTEXT>"],
+                                         downsample_ratio=0.5, tie_word_embeddings=False)
+    _save(lambda: transformers.InternVLForConditionalGeneration(config), out, seed, tok, eos, ids["<|endoftext|>"],
+          None)
+    common = dict(size={"height": 64, "width": 64}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    transformers.InternVLProcessor(image_processor=GotOcr2ImageProcessor(crop_to_patches=False, **common),
+                                   video_processor=InternVLVideoProcessor(**common), tokenizer=tok,
+                                   image_seq_length=4, chat_template=template).save_pretrained(out)
+    return out
+
+
 def _tokenizer(special, extra, eos, template, pad="<|endoftext|>", bos=None, named=None):
     """A byte-level tokenizer with special (and extra) tokens after the bytes; named: the special tokens a processor
     reads as the tokenizer's attributes (Gemma 4's image_token, boi_token, ...)."""
@@ -231,6 +266,8 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
         return _gemma4(out, seed)
     if model_type == "qwen3_omni_moe":
         return _qwen3_omni(out, seed)
+    if model_type == "internvl":
+        return _internvl(out, seed)
     glm = model_type == "glm4v_moe"
     tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
         _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
