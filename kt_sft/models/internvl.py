@@ -3,11 +3,8 @@
 experts on the engine). Its checkpoints keep LLaVA's names, which transformers renames on loading:
 `language_model.model.` for the module's `model.language_model.`, `language_model.lm_head.`, `vision_tower.` and
 `multi_modal_projector.` under `model.`; the experts per expert."""
-from .registry import MoEArchitecture, register
+from .registry import LLAVA_NAMES, MoEArchitecture, register
 
-register(MoEArchitecture(
-    "internvl", experts_classes=("Qwen3MoeExperts",), text_model_types=("qwen3_moe",),
-    checkpoint_experts="language_model.model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
-    key_renames=(("^language_model.model.", "model.language_model."), ("^language_model.lm_head.", "lm_head."),
-                 ("^vision_tower.", "model.vision_tower."), ("^multi_modal_projector.", "model.multi_modal_projector.")),
-))
+register(MoEArchitecture("internvl", experts_classes=("Qwen3MoeExperts",), text_model_types=("qwen3_moe",),
+                         checkpoint_experts="language_model.model.layers.{layer}.mlp.experts.{expert}.{proj}.weight",
+                         key_renames=LLAVA_NAMES))

@@ -133,6 +133,12 @@ class MoEArchitecture:
         return tuple(dict.fromkeys((self.checkpoint_name(module_path), module_path)))
 
 
+# The names LLaVA-style image-text checkpoints keep (InternVL's and Mistral 3's -HF releases, as transformers saves
+# them) for the module tree's: key_renames of those architectures.
+LLAVA_NAMES = (("^language_model.model.", "model.language_model."), ("^language_model.lm_head.", "lm_head."),
+               ("^vision_tower.", "model.vision_tower."), ("^multi_modal_projector.", "model.multi_modal_projector."))
+
+
 def _renamed(key: str, old: str, new: str, prefix_only: bool = False) -> str:
     """key with old replaced by new: everywhere, or (old marked "^", or prefix_only) where key starts with it."""
     if old.startswith("^") or prefix_only:

@@ -9,7 +9,7 @@ from peft import LoraConfig, get_peft_model
 from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from test_llama4 import batch as llama4_batch
-from tiny_models import image_batch, omni_batch, tiny_model
+from tiny_models import image_batch_of, omni_batch, tiny_model
 from tolerances import AUTOCAST_LOSS, BF16_IO, GPU_VS_CPU, rel_l2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -45,13 +45,15 @@ def step_grads(model, device, autocast, batch=None):
                                         "qwen3_5_moe+images", "glm4v_moe+images", "phimoe", "hy_v3", "jamba",
                                         "lfm2_moe", "longcat_flash", "llama4+images", "gpt_oss",
                                         "granitemoe", "granitemoehybrid", "minimax", "mistral4", "gemma4",
-                                        "nemotron_h", "qwen3_omni_moe_thinker+omni"])
+                                        "nemotron_h", "qwen3_omni_moe_thinker+omni", "internvl+images",
+                                        "mistral3+images"])
 def test_cuda_attention_cpu_experts_match_cpu_run(model_type):
     # The image-text models: their vision tower on CUDA too; Qwen3-Omni's thinker its vision and audio towers.
     model_type, _, media = model_type.partition("+")
     # Llama 4's images: its own batch (its LoRA on o_proj reaches the vision tower, whose grads a text batch leaves
     # None).
-    batch_of = {"images": llama4_batch if model_type == "llama4" else image_batch, "omni": omni_batch}.get(media)
+    batch_of = {"images": llama4_batch if model_type == "llama4" else image_batch_of(model_type),
+                "omni": omni_batch}.get(media)
     batch = batch_of(0) if batch_of else None
     base = lora_model(model_type)
     gpu = lora_model(model_type)

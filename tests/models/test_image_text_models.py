@@ -17,20 +17,15 @@ from kt_sft.models import use_cpu_experts
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import FP8_CONFIG
 from test_peft_parity import kt_and_reference, train_alike
-from tiny_models import (image_batch, internvl_batch, qwen3_5_moe_published, qwen3_vl_moe_published, save_checkpoint,
-                         tiny_model)
+from tiny_models import (image_batch, image_batch_of, internvl_batch, qwen3_5_moe_published, qwen3_vl_moe_published,
+                         save_checkpoint, tiny_model)
 from tolerances import FP32_IO, rel_l2
 
-INPUTS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+INPUTS = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw", "image_sizes")
 
 
 def inputs(batch):
     return {k: batch[k] for k in INPUTS if k in batch}
-
-
-def batch_of(model_type):
-    """The tiny model_type's batches with images (InternVL's without grids: its images are of one size)."""
-    return internvl_batch if model_type == "internvl" else image_batch
 
 
 @pytest.mark.parametrize("layout", ["published", "module"])
@@ -113,15 +108,15 @@ def test_fused_experts_of_another_shape_are_refused_naming_both_layouts(tmp_path
         run(["prepare", str(src), str(tmp_path / "prepared")])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl", "mistral3"])
 def test_lora_training_steps_with_images_match_reference(model_type):
-    train_alike(*kt_and_reference(model_type), batch_of(model_type))
+    train_alike(*kt_and_reference(model_type), image_batch_of(model_type))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe", "internvl", "mistral3"])
 def test_generation_about_an_image_with_the_adapter_matches_the_reference(model_type):
     kt, ref = kt_and_reference(model_type)
-    batch = inputs(batch_of(model_type)(3, rows=1))
+    batch = inputs(image_batch_of(model_type)(3, rows=1))
     out = [m.eval().generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
                              return_dict_in_generate=True) for m in (kt, ref)]
     assert torch.equal(out[0].sequences, out[1].sequences)

@@ -105,19 +105,21 @@ PUBLISHED = {"qwen3_vl_moe": qwen3_vl_moe_published, "qwen3_5_moe": qwen3_5_moe_
              "llama4": lambda path: save_checkpoint(tiny_model("llama4"), path),
              "gpt_oss": lambda path: save_checkpoint(tiny_model("gpt_oss"), path),
              "granitemoehybrid": lambda path: save_checkpoint(tiny_model("granitemoehybrid"), path),
-             "gemma4": lambda path: save_checkpoint(tiny_model("gemma4"), path), "nemotron_h": nemotron_h_fused}
+             "gemma4": lambda path: save_checkpoint(tiny_model("gemma4"), path), "nemotron_h": nemotron_h_fused,
+             "mistral3": lambda path: save_checkpoint(tiny_model("mistral3"), path)}
 EXPERTS = {"llama4": "language_model.model.layers.{n}.feed_forward.experts.{p}",
            "gpt_oss": "model.layers.{n}.mlp.experts.{p}",
            "granitemoehybrid": "model.layers.{n}.block_sparse_moe.{p}",
            "gemma4": "model.language_model.layers.{n}.experts.{p}",
-           "nemotron_h": "backbone.layers.{n}.mixer.experts.{p}"}
+           "nemotron_h": "backbone.layers.{n}.mixer.experts.{p}",
+           "mistral3": "language_model.model.layers.{n}.mlp.experts.{p}"}
 # The fused tensors' names, where they are not gate_up_proj and down_proj.
 FUSED_NAMES = {"granitemoehybrid": ("input_linear.weight", "output_linear.weight"),
                "nemotron_h": ("up_proj", "down_proj")}
-MOE_LAYERS = {"nemotron_h": (1, 3)}  # the others': 0 and 1
+MOE_LAYERS = {"nemotron_h": (1, 3), "mistral3": (1,)}  # the others': 0 and 1
 BATCHES = {"llama4": lambda: llama4_batch(3), "gpt_oss": lambda: {"input_ids": IDS},
            "granitemoehybrid": lambda: {"input_ids": IDS}, "gemma4": lambda: {"input_ids": IDS},
-           "nemotron_h": lambda: {"input_ids": IDS}}
+           "nemotron_h": lambda: {"input_ids": IDS}, "mistral3": lambda: {"input_ids": IDS}}
 
 
 @pytest.mark.parametrize("model_type", sorted(PUBLISHED))
@@ -125,7 +127,7 @@ def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_stil
     # Qwen3.5-MoE publishes its experts fused as the module holds them, Qwen3-VL-MoE fused and transposed, Llama 4
     # fused and transposed as its module holds them, GPT-OSS (a text model) too, gate's and up's rows alternating,
     # Granite as input_linear and output_linear beside the router, Gemma 4's in its decoder layers (no MoE block),
-    # Nemotron-H's up_proj without gate rows:
+    # Nemotron-H's up_proj without gate rows, Mistral Small 4's under LLaVA's names:
     # each expert's update goes into its slice, in the checkpoint's layout, and stock transformers loads the result.
     PUBLISHED[model_type](tmp_path / "model")
     model = tiny_model(model_type)  # the published weights

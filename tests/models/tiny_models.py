@@ -63,6 +63,14 @@ CONFIGS = {
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
         routed_scaling_factor=1.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16),
+    # Mistral Small 4 as published: the Mistral 4 text model above inside Mistral 3's image-text model (a Pixtral
+    # vision tower; each 32x32 image 4x4 patches, merged 2x2 into 4 image tokens).
+    "mistral3": lambda: transformers.Mistral3Config(
+        text_config={**CONFIGS["mistral4"]().to_dict(), "vocab_size": 100},
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=16, image_size=32, patch_size=8),
+        image_token_index=96, spatial_merge_size=2, multimodal_projector_bias=False, vision_feature_layer=-1,
+        tie_word_embeddings=False),
     "olmoe": lambda: transformers.OlmoeConfig(**COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2),
     "dots1": lambda: transformers.Dots1Config(**COMMON, intermediate_size=96, moe_intermediate_size=40,
                                               n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
@@ -245,6 +253,17 @@ def internvl_batch(seed: int, rows: int = 2) -> dict:
                 pixel_values=torch.randn(rows, 3, 56, 56, generator=g))
 
 
+def mistral3_batch(seed: int, rows: int = 2) -> dict:
+    """A training batch for the tiny Mistral 3 (Mistral Small 4): each row a 32x32 image (4 image tokens, then the
+    image end token, id 97) inside random text; labels skip the image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    image = torch.tensor([96, 96, 96, 96, 97]).expand(rows, -1)
+    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
+    ids = torch.cat([text[0], image, text[1]], 1)
+    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+                pixel_values=torch.randn(rows, 3, 32, 32, generator=g), image_sizes=torch.tensor([[32, 32]] * rows))
+
+
 def omni_batch(seed: int, rows: int = 2) -> dict:
     """A training batch for the tiny Qwen3-Omni thinker: each row a 16x16 image (4 image tokens between vision start
     and end) and 32 frames of 16 mel bins (4 audio tokens between audio start and end) inside random text; labels skip
@@ -282,6 +301,11 @@ def qwen3_omni_published(path) -> transformers.PreTrainedModel:
               "talker_config": {"model_type": "qwen3_omni_moe_talker", "thinker_hidden_size": 64}}
     (Path(path) / "config.json").write_text(json.dumps(config, indent=2))
     return model
+
+
+def image_batch_of(model_type: str):
+    """The batches with images of the tiny model_type (image_batch's grids are Qwen's and GLM's)."""
+    return {"internvl": internvl_batch, "mistral3": mistral3_batch}.get(model_type, image_batch)
 
 
 def _published(model_type: str, path, transposed: bool = False, **extra) -> transformers.PreTrainedModel:
