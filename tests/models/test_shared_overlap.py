@@ -50,7 +50,8 @@ def loss_and_grads(model, checkpointing=None, device="cpu"):
 
 @pytest.mark.parametrize("model_type,expected", [("deepseek_v3", 1), ("glm4_moe", 1), ("qwen2_moe", 0),
                                                  ("qwen3_moe", 0), ("granitemoeshared", 2), ("granitemoehybrid", 2),
-                                                 ("granitemoe", 0), ("mistral4", 1), ("nemotron_h", 2)])
+                                                 ("granitemoe", 0), ("mistral4", 1), ("nemotron_h", 2),
+                                                 ("mistral3", 1)])
 def test_installed_where_the_block_calls_shared_experts_last(model_type, expected):
     # The tiny DeepSeek/GLM models have one dense layer then one MoE layer; Qwen2-MoE applies its shared expert
     # before routing (nothing to reorder), Qwen3-MoE has none. Granite's decoder layers call their shared MLP on the
