@@ -5,6 +5,7 @@ streams expert shards straight into the engine instead of materializing them her
 """
 from __future__ import annotations
 
+import re
 import types
 
 import torch
@@ -14,6 +15,9 @@ from .._ext import require_one_process, require_settings
 from .overlap import overlap_dense_beside, overlap_shared_experts
 from .recompute_ahead import recompute_ahead_of_the_engine
 from .registry import MoEArchitecture, architecture_of
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
@@ -36,8 +40,10 @@ def accept_per_expert_weights(model: nn.Module, arch: MoEArchitecture) -> None:
         filled.clear()
         strict_load[0] = strict
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            renamed = arch.module_key(key)
-            if renamed != key and renamed not in state_dict and ".experts." not in key:
+            renamed = prefix + arch.module_key(key[len(prefix):])
+            # Per-expert keys are read below under the checkpoint's names; fused ones (Mistral Small 4's, saved under
+            # LLaVA's names) take the module's here.
+            if renamed != key and renamed not in state_dict and not _PER_EXPERT.search(key):
                 state_dict[renamed] = state_dict.pop(key)
         for name, module in model.named_modules(prefix=prefix.removesuffix(".")):
             if not isinstance(module, KTExpertsLinear) or "gate_up_proj" not in module._parameters:

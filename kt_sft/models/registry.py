@@ -123,7 +123,7 @@ class MoEArchitecture:
     def checkpoint_name(self, module_path: str) -> str:
         """module_key's way back: the checkpoint's name of a module tree path."""
         for old, new in self.key_renames:
-            module_path = _renamed(module_path, new, old.removeprefix("^"), old.startswith("^"))
+            module_path = _renamed(module_path, "^" + new if old.startswith("^") else new, old.removeprefix("^"))
         return module_path
 
     def stored_names(self, module_path: str) -> tuple[str, ...]:
@@ -133,18 +133,19 @@ class MoEArchitecture:
         return tuple(dict.fromkeys((self.checkpoint_name(module_path), module_path)))
 
 
-# The names LLaVA-style image-text checkpoints keep (InternVL's and Mistral 3's -HF releases, as transformers saves
-# them) for the module tree's: key_renames of those architectures.
+# The names LLaVA-style image-text checkpoints keep for the module tree's (InternVL3.5's -HF releases, Mistral Small
+# 4's: transformers saves them so): key_renames of those architectures.
 LLAVA_NAMES = (("^language_model.model.", "model.language_model."), ("^language_model.lm_head.", "lm_head."),
                ("^vision_tower.", "model.vision_tower."), ("^multi_modal_projector.", "model.multi_modal_projector."))
 
 
-def _renamed(key: str, old: str, new: str, prefix_only: bool = False) -> str:
-    """key with old replaced by new: everywhere, or (old marked "^", or prefix_only) where key starts with it."""
-    if old.startswith("^") or prefix_only:
-        old = old.removeprefix("^")
-        return new + key[len(old):] if key.startswith(old) else key
-    return key.replace(old, new)
+def _renamed(key: str, old: str, new: str) -> str:
+    """key with old replaced by new: everywhere, or (old marked "^") where key starts with it, a whole module path
+    included (`lm_head` for `lm_head.`)."""
+    if not old.startswith("^"):
+        return key.replace(old, new)
+    dotted = key + "."
+    return (new + dotted[len(old) - 1:])[:-1] if dotted.startswith(old[1:]) else key
 
 
 _REGISTRY: dict[str, MoEArchitecture] = {}
@@ -222,6 +223,7 @@ def architecture_of(config) -> MoEArchitecture:
     arch = _REGISTRY[model_type]
     text = text_config_of(config)
     text_type = getattr(text, "model_type", None)
+    # kt-sft merge and export look the architecture up by model_type alone (no text config to check).
     if arch.text_model_types is not None and text is not config and text_type not in arch.text_model_types:
         raise ValueError(f"this {model_type} model's text model is {text_type}; kt_sft serves {model_type} with a "
                          f"{' or '.join(arch.text_model_types)} text model only (a dense one has no routed experts, "

@@ -318,6 +318,18 @@ def test_adapter_carrying_its_base_embedding_weights_merges(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_lora_on_lm_head_merges_under_llavas_name(tmp_path):
+    # InternVL's lm_head is the checkpoint's language_model.lm_head: its LoRA and the copy PEFT saves of its base
+    # weight are found there.
+    peft_model, model_dir = trained_adapter("internvl", tmp_path, targets=("experts", "o_proj", "lm_head"))
+    assert run(["merge", str(model_dir), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    before, after = Checkpoint(model_dir), Checkpoint(tmp_path / "merged")
+    assert not torch.equal(before.get("language_model.lm_head.weight"), after.get("language_model.lm_head.weight"))
+    merged = auto_class("internvl").from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_l2(merged(IDS).logits, peft_model(input_ids=IDS).logits) <= FP32_IO
+
+
 def test_merge_names_what_it_cannot_do(tmp_path):
     _, model_dir = trained_adapter("qwen3_moe", tmp_path)
     adapter = tmp_path / "adapter"

@@ -63,8 +63,8 @@ CONFIGS = {
         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
         routed_scaling_factor=1.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
         v_head_dim=16),
-    # Mistral Small 4 as published: the Mistral 4 text model above inside Mistral 3's image-text model (a Pixtral
-    # vision tower; each 32x32 image 4x4 patches, merged 2x2 into 4 image tokens).
+    # Mistral Small 4 as transformers saves it (its BF16 conversions): the Mistral 4 text model above inside Mistral 3's
+    # image-text model (a Pixtral vision tower; each 32x32 image 4x4 patches, merged 2x2 into 4 image tokens).
     "mistral3": lambda: transformers.Mistral3Config(
         text_config={**CONFIGS["mistral4"]().to_dict(), "vocab_size": 100},
         vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
