@@ -1,7 +1,7 @@
-"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4, Gemma 4, Qwen3-Omni or InternVL3.5 as published (no hub access):
-config, weights (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's, Qwen3-Omni's and InternVL's per expert), a
-byte-level tokenizer holding the model's special tokens, its image and video processors and chat template; and a
-dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
+"""A tiny Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V, Llama 4, Gemma 4, Qwen3-Omni, InternVL3.5 or Mistral Small 4 as published
+(no hub access): config, weights (Qwen's experts fused, Qwen3-VL-MoE's transposed; GLM's, Qwen3-Omni's and InternVL's
+per expert), a byte-level tokenizer holding the model's special tokens, its image and video processors and chat
+template; and a dataset of coloured images to ask about, in LLaMA-Factory's multimodal sharegpt format."""
 from __future__ import annotations
 
 import json
@@ -240,6 +240,44 @@ def _internvl(out: Path, seed: int) -> Path:
     return out
 
 
+# Mistral's control tokens (Mistral Small 4's Tekken vocabulary, in part), and its turns (LLaMA-Factory's
+# mistral_small template) as a chat template.
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                   "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}" + _content_of_message("[IMG]") +
+    "{%- if message['role'] == 'user' %}{{- '[INST]' + content + '[/INST]' }}"
+    "{%- else %}{{- content + eos_token }}{%- endif %}{%- endfor %}")
+
+
+def _mistral3(out: Path, seed: int) -> Path:
+    """A tiny Mistral Small 4 as transformers saves it (its BF16 conversions): a Mistral 4 text model inside Mistral
+    3's image-text model (LLaVA's names, the experts fused), its tokenizer and Pixtral processor (each 64x64 image
+    4x4 patches of 16 pixels, merged 2x2 into 4 image tokens, a row break after the first two)."""
+    import transformers
+    from transformers.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+    tok = _tokenizer(MISTRAL_SPECIAL, [], "</s>", MISTRAL_TEMPLATE, pad="<pad>", bos="<s>")
+    ids = {t: tok.convert_tokens_to_ids(t) for t in MISTRAL_SPECIAL}
+    text = dict(model_type="mistral4", vocab_size=288, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=8,
+                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+                routed_scaling_factor=1.5, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                v_head_dim=16, max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=ids["<s>"],
+                eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, image_size=64, patch_size=16)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"],
+                                         spatial_merge_size=2, multimodal_projector_bias=False,
+                                         vision_feature_layer=-1, tie_word_embeddings=False)
+    _save(lambda: transformers.Mistral3ForConditionalGeneration(config), out, seed, tok, [ids["</s>"]],
+          ids["<pad>"], ids["<s>"])
+    transformers.PixtralProcessor(
+        image_processor=PixtralImageProcessor(size={"longest_edge": 64}, patch_size=16, image_mean=[0.5] * 3,
+                                              image_std=[0.5] * 3),
+        tokenizer=tok, patch_size=16, spatial_merge_size=2, chat_template=MISTRAL_TEMPLATE).save_pretrained(out)
+    return out
+
+
 def _tokenizer(special, extra, eos, template, pad="<|endoftext|>", bos=None, named=None):
     """A byte-level tokenizer with special (and extra) tokens after the bytes; named: the special tokens a processor
     reads as the tokenizer's attributes (Gemma 4's image_token, boi_token, ...)."""
@@ -268,6 +306,8 @@ def write_image_text_moe(out: Path, model_type: str = "qwen3_vl_moe", seed: int 
         return _qwen3_omni(out, seed)
     if model_type == "internvl":
         return _internvl(out, seed)
+    if model_type == "mistral3":
+        return _mistral3(out, seed)
     glm = model_type == "glm4v_moe"
     tok = _tokenizer(GLM_SPECIAL, GLM_EXTRA, "<|endoftext|>", GLM_TEMPLATE) if glm else \
         _tokenizer(SPECIAL, EXTRA, "<|im_end|>", TEMPLATE)
