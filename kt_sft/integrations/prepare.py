@@ -67,8 +67,9 @@ def checked_source(source: Path) -> tuple[dict, str, str, str, tuple[str, ...]]:
     the experts' published format, the weight-key prefix of the model served, the transformers auto classes that
     load it: auto_classes), after every check of config.json and the shards' headers that the load makes: the
     model a prepared directory holds is its text model (the whole image-text model where transformers builds one:
-    Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V; a composite's part: Kimi-K2.5's text model, Qwen3-Omni's thinker), with kt_sft's own model_type and no quantization_config (the loader reads
-    quantized weights itself, so to transformers and LLaMA-Factory it is not a quantized model) or remote code."""
+    Qwen3-VL-MoE, Qwen3.5-MoE, GLM-4.5V; a composite's part: Kimi-K2.5's text model, Qwen3-Omni's thinker), with
+    kt_sft's own model_type and no quantization_config (the loader reads quantized weights itself, so to transformers
+    and LLaMA-Factory it is not a quantized model) or remote code."""
     raw = read_config(source)
     published_type = raw.get("model_type")
     fmt = checkpoint_format(quantization_config_of(raw))

@@ -230,14 +230,21 @@ def auto_class(model_type: str):
     return model_class(CONFIGS[model_type]())
 
 
+def _text_around(g: torch.Generator, rows: int, *pieces) -> dict:
+    """input_ids of `rows` rows made of pieces in turn: random text of the given length (ids below 96, drawn from g
+    in order) or the given media token ids (96 and up); labels the ids with the media tokens left out (-100), as
+    LLaMA-Factory's are."""
+    ids = torch.cat([torch.randint(0, 96, (rows, p), generator=g) if isinstance(p, int)
+                     else torch.tensor(p).expand(rows, -1) for p in pieces], 1)
+    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100))
+
+
 def image_batch(seed: int, rows: int = 2) -> dict:
     """A training batch for the tiny qwen3_vl_moe: each row a 16x16 image (4x4 patches, merged 2x2 into 4 image
     tokens between vision start and end) inside random text; labels skip the image tokens, as LLaMA-Factory's do."""
     g = torch.Generator().manual_seed(seed)
-    image = torch.tensor([98, 96, 96, 96, 96, 99]).expand(rows, -1)
-    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
-    ids = torch.cat([text[0], image, text[1]], 1)
-    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100), mm_token_type_ids=(ids == 96).long(),
+    batch = _text_around(g, rows, 3, [98, 96, 96, 96, 96, 99], 5)
+    return dict(**batch, mm_token_type_ids=(batch["input_ids"] == 96).long(),
                 pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows))
 
@@ -246,10 +253,7 @@ def internvl_batch(seed: int, rows: int = 2) -> dict:
     """A training batch for the tiny InternVL: each row a 56x56 image (4 image tokens between <img> and </img>, ids
     98 and 99) inside random text; labels skip the image tokens."""
     g = torch.Generator().manual_seed(seed)
-    image = torch.tensor([98, 96, 96, 96, 96, 99]).expand(rows, -1)
-    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
-    ids = torch.cat([text[0], image, text[1]], 1)
-    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+    return dict(**_text_around(g, rows, 3, [98, 96, 96, 96, 96, 99], 5),
                 pixel_values=torch.randn(rows, 3, 56, 56, generator=g))
 
 
@@ -257,10 +261,7 @@ def mistral3_batch(seed: int, rows: int = 2) -> dict:
     """A training batch for the tiny Mistral 3 (Mistral Small 4): each row a 32x32 image (4 image tokens, then the
     image end token, id 97) inside random text; labels skip the image tokens."""
     g = torch.Generator().manual_seed(seed)
-    image = torch.tensor([96, 96, 96, 96, 97]).expand(rows, -1)
-    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 5)]
-    ids = torch.cat([text[0], image, text[1]], 1)
-    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+    return dict(**_text_around(g, rows, 3, [96, 96, 96, 96, 97], 5),
                 pixel_values=torch.randn(rows, 3, 32, 32, generator=g), image_sizes=torch.tensor([[32, 32]] * rows))
 
 
@@ -269,11 +270,7 @@ def omni_batch(seed: int, rows: int = 2) -> dict:
     and end) and 32 frames of 16 mel bins (4 audio tokens between audio start and end) inside random text; labels skip
     the media tokens."""
     g = torch.Generator().manual_seed(seed)
-    image = torch.tensor([100, 97, 97, 97, 97, 101]).expand(rows, -1)
-    audio = torch.tensor([99, 96, 96, 96, 96, 102]).expand(rows, -1)
-    text = [torch.randint(0, 96, (rows, n), generator=g) for n in (3, 2, 4)]
-    ids = torch.cat([text[0], image, text[1], audio, text[2]], 1)
-    return dict(input_ids=ids, labels=ids.masked_fill(ids >= 96, -100),
+    return dict(**_text_around(g, rows, 3, [100, 97, 97, 97, 97, 101], 2, [99, 96, 96, 96, 96, 102], 4),
                 pixel_values=torch.randn(16 * rows, 3 * 2 * 4 * 4, generator=g),
                 image_grid_thw=torch.tensor([[1, 4, 4]] * rows), input_features=torch.randn(rows, 16, 32, generator=g),
                 feature_attention_mask=torch.ones(rows, 32, dtype=torch.int64))
