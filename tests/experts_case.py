@@ -35,7 +35,8 @@ def make_routing(shape: Shape, gen: torch.Generator) -> torch.Tensor:
 def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 0,
                 expert_format: str = "bf16", identity_experts: int = 0, gpt_oss: bool = False,
                 unit: Glu | None = None) -> kt_sft.KTExperts:
-    """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values. gpt_oss: with biases
+    """Random experts in BF16, or quantized to "fp8" / "int4" from the same random values ("fp8_rows": FP8 with
+    blocks one row high, the grid of a scale per output channel). gpt_oss: with biases
     and GPT-OSS's clamped unit; the gate/up bias spread wide enough (σ 4) that many g and u pass the clamps (±7).
     unit: another unit than SwiGLU (GEGLU_TANH, or RELU2 without a gate: up's rows alone)."""
     gen = torch.Generator().manual_seed(seed)
@@ -51,7 +52,8 @@ def make_module(shape: Shape, lora: bool, train_base: bool = False, seed: int = 
     if expert_format == "bf16":
         m = kt_sft.KTExperts(gu, dn, **kwargs)
     else:
-        m = kt_sft.KTExperts(QuantizedExperts.quantize(expert_format, gu, dn, (unit or SWIGLU).gated), **kwargs)
+        fmt, rows = ("fp8", 1) if expert_format == "fp8_rows" else (expert_format, 128)
+        m = kt_sft.KTExperts(QuantizedExperts.quantize(fmt, gu, dn, (unit or SWIGLU).gated, rows), **kwargs)
     if lora:
         m.add_lora(shape.r, alpha=2.0 * shape.r)
         with torch.no_grad():  # A drawn here too (add_lora's init uses the global RNG, which differs between runs

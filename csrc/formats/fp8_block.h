@@ -1,5 +1,6 @@
 // FP8 block-128 format (DeepSeek-V3/R1, Kimi-K2-Instruct): float8_e4m3fn values, one float32 scale per
-// 128×128 block, W[o, i] = q[o, i] · scale[o / 128, i / 128]. Edge blocks may be partial.
+// 128×128 block, W[o, i] = q[o, i] · scale[o / 128, i / 128]. Edge blocks may be partial. Checkpoints with a scale
+// per output channel (compressed-tensors FP8, strategy "channel") take blocks of one row: scale[o, i / 128].
 // Scalar codec used by the reference kernels and by edge loops of the SIMD kernels.
 #pragma once
 #include <cmath>

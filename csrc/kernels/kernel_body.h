@@ -125,7 +125,7 @@ struct Int4Cursor {
 template <class S>
 Fp8Cursor<S> cursor(const kt::Rows<fp8_block>& b, long i) {
   const long row = b.row0 + i;
-  return {b.q + row * b.ld, b.scale + (row / fp8_block::BLOCK) * b.scale_ld};
+  return {b.q + row * b.ld, b.scale + (row >> b.row_shift) * b.scale_ld};
 }
 
 template <class S>

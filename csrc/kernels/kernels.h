@@ -46,9 +46,12 @@ template <>
 struct Rows<fp8_block> {
   const uint8_t* q = nullptr;    // row 0 of the matrix, `ld` bytes per row
   long ld = 0;
-  const float* scale = nullptr;  // [ceil(out/128), scale_ld = ceil(in/128)]
+  const float* scale = nullptr;  // [ceil(out/2^row_shift), scale_ld = ceil(in/128)]
   long scale_ld = 0;
   long row0 = 0;
+  // A scale row covers 2^row_shift weight rows: 7 for 128×128 blocks, 0 for one row's 128-column segments (FP8
+  // published with a scale per output channel, spread over its row's segments: exact, 1/32 of the codes' bytes).
+  int row_shift = 7;
 };
 
 template <>

@@ -457,9 +457,14 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
   } else if (format_ == Format::fp8_block128) {
     expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, SI, H});
     expect(w.down, "down_proj", DType::fp8_e4m3, {E, H, I});
+    // Blocks of 128 rows, or of one row (a scale per output channel): told apart by gate_up's scale rows, which
+    // differ unless I = 1, where both read alike.
+    const auto& gus = w.gate_up_scale.shape;
+    if (gus.size() == 4 && gus[2] == I && I != ceil_div(I, bs)) fp8_row_shift_ = 0;
+    const long rb = 1L << fp8_row_shift_;
     expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32,
-           {E, stacked(), ceil_div(I, bs), ceil_div(H, bs)});
-    expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, bs), ceil_div(I, bs)});
+           {E, stacked(), ceil_div(I, rb), ceil_div(H, bs)});
+    expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, rb), ceil_div(I, bs)});
   } else {
     expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, SI, ceil_div(H, 8)});
     expect(w.down, "down_proj (packed INT4)", DType::i32, {E, H, ceil_div(I, 8)});
@@ -550,9 +555,9 @@ void MoeExperts::with_rows(int e, int p, long row0, F&& f) const {
       f(Rows<bf16>{nullptr, data.as<bf16>() + (first + row0) * in, in});
       break;
     case Format::fp8_block128: {
-      const long bs = fp8_block::BLOCK, nbi = ceil_div(in, bs);
-      const long grid = (p == DOWN ? long(e) : stack) * ceil_div(out, bs) * nbi;
-      f(Rows<fp8_block>{data.as<uint8_t>() + first * in, in, scale.as<float>() + grid, nbi, row0});
+      const long nbi = ceil_div(in, fp8_block::BLOCK);
+      const long grid = (p == DOWN ? long(e) : stack) * ceil_div(out, 1L << fp8_row_shift_) * nbi;
+      f(Rows<fp8_block>{data.as<uint8_t>() + first * in, in, scale.as<float>() + grid, nbi, row0, fp8_row_shift_});
       break;
     }
     case Format::int4_group32: {

@@ -129,6 +129,7 @@ class MoeExperts {
   // Adds expert e's gate (p = GATE) or up bias, columns [c0, c0 + n), to each of `rows` rows of c (ld I).
   void add_bias(int e, int p, long c0, long n, int rows, float* c) const;
   Format format_;
+  int fp8_row_shift_ = 7;  // FP8: log2 of the weight rows a scale row covers (Rows<fp8_block>::row_shift)
   ExpertWeights w_;
   Glu glu_;
 };

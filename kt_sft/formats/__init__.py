@@ -3,7 +3,8 @@
 `QuantizedExperts` holds one layer's experts as the engine reads them (csrc/moe/experts.h):
   fp8   gate_up float8_e4m3fn [E, 2I, H], scales float32 [E, 2, ceil(I/128), ceil(H/128)] (gate's blocks, then
         up's: the checkpoint quantizes gate and up separately, so their block grids stay separate);
-        down [E, H, I], scales [E, ceil(H/128), ceil(I/128)]
+        down [E, H, I], scales [E, ceil(H/128), ceil(I/128)]. With a scale per output channel (compressed-tensors
+        FP8) the blocks are one row high: scales [E, 2, I, ceil(H/128)] and [E, H, ceil(I/128)] (row_block 1).
   int4  gate_up int32 [E, 2I, ceil(H/8)], scales bfloat16 [E, 2I, ceil(H/32)]; down [E, H, ceil(I/8)],
         scales [E, H, ceil(I/32)]
 Experts without a gate (gated False: Nemotron-H's) hold up's rows alone where gate_up is written: I for 2I, 1 for 2.
@@ -54,15 +55,22 @@ class QuantizedExperts:
         """(E, H, I)."""
         return self.gate_up.shape[0], self.down.shape[1], self.gate_up.shape[1] // self.stacked
 
+    @property
+    def row_block(self) -> int:
+        """FP8: the weight rows one scale row covers (128, or 1 with a scale per output channel)."""
+        I = self.shape[2]
+        return 1 if self.gate_up_scale.shape[2] == I and I != -(-I // fp8_block.BLOCK) else fp8_block.BLOCK
+
     @classmethod
-    def empty(cls, fmt: str, E: int, H: int, I: int, gated: bool = True) -> "QuantizedExperts":
-        """Uninitialized buffers of the format's layout, for loaders to fill."""
+    def empty(cls, fmt: str, E: int, H: int, I: int, gated: bool = True,
+              row_block: int = fp8_block.BLOCK) -> "QuantizedExperts":
+        """Uninitialized buffers of the format's layout, for loaders to fill (FP8: blocks of row_block rows)."""
         n = stacked(gated)
         if fmt == "fp8":
             return cls(fmt, torch.empty(E, n * I, H, dtype=torch.float8_e4m3fn),
                        torch.empty(E, H, I, dtype=torch.float8_e4m3fn),
-                       torch.empty(E, n, *fp8_block.scale_shape(I, H), dtype=torch.float32),
-                       torch.empty(E, *fp8_block.scale_shape(H, I), dtype=torch.float32), gated)
+                       torch.empty(E, n, *fp8_block.scale_shape(I, H, row_block), dtype=torch.float32),
+                       torch.empty(E, *fp8_block.scale_shape(H, I, row_block), dtype=torch.float32), gated)
         if fmt == "int4":
             w, g = int4_group.words, int4_group.groups
             return cls(fmt, torch.empty(E, n * I, w(H), dtype=torch.int32), torch.empty(E, H, w(I), dtype=torch.int32),
@@ -84,25 +92,27 @@ class QuantizedExperts:
             raise ValueError(f"expert {e}'s {'gate, ' if self.gated else ''}up and down weights have shapes {shapes}; "
                              f"these experts take {'gate and ' if self.gated else ''}up [I, H] = [{I}, {H}] and down "
                              f"[H, I] = [{H}, {I}].")
-        mod = fp8_block if self.format == "fp8" else int4_group
+        fp8 = self.format == "fp8"
+        quantize = (lambda w, name: fp8_block.quantize(w, name, self.row_block)) if fp8 else int4_group.quantize
         stack = ((slice(0, I), 0, gate, "gate"), (slice(I, 2 * I), 1, up, "up")) if self.gated else \
             ((slice(0, I), 0, up, "up"),)
         for rows, scale_rows, w, proj in stack:
-            q, s = mod.quantize(w, f"expert {e}'s {proj} weight")
+            q, s = quantize(w, f"expert {e}'s {proj} weight")
             self.gate_up[e, rows] = q
-            if self.format == "fp8":
+            if fp8:
                 self.gate_up_scale[e, scale_rows] = s
             else:
                 self.gate_up_scale[e, rows] = s
-        self.down[e], self.down_scale[e] = mod.quantize(down, f"expert {e}'s down weight")
+        self.down[e], self.down_scale[e] = quantize(down, f"expert {e}'s down weight")
 
     @classmethod
-    def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor, gated: bool = True) -> "QuantizedExperts":
+    def quantize(cls, fmt: str, gate_up: torch.Tensor, down: torch.Tensor, gated: bool = True,
+                 row_block: int = fp8_block.BLOCK) -> "QuantizedExperts":
         """From BF16/float experts in the fused layout: gate_up [E, 2I, H] ([E, I, H] without a gate), down
-        [E, H, I]."""
+        [E, H, I] (FP8: in blocks of row_block rows)."""
         check_fused_layout(gate_up, down, gated)
         E, H, I = down.shape[0], down.shape[1], down.shape[2]
-        out = cls.empty(fmt, E, H, I, gated)
+        out = cls.empty(fmt, E, H, I, gated, row_block)
         for e in range(E):
             out.set_expert(e, gate_up[e, :I] if gated else None, gate_up[e, -I:], down[e])
         return out

@@ -10,7 +10,8 @@ from test_experts_parity import RUNNABLE, TILE_KERNELS, check, kernels, tiles  #
 from tolerances import (BF16_DOT, BF16_DOT_DW, BF16_IO, FP32_IO, QUANTIZED_IO, for_kernels, for_quantized_kernels,
                         rel_l2)
 
-FORMATS = ["fp8", "int4"]
+# fp8_rows: FP8 with blocks one row high (checkpoints with a scale per output channel).
+FORMATS = ["fp8", "fp8_rows", "int4"]
 
 # Blocks of 128 and groups of 32 partial in both directions, and a decode shape across several blocks; the rest
 # are the BF16 parity edges that quantized weights change nothing about but must still pass.
@@ -131,6 +132,7 @@ def test_quantized_weights_stay_put_and_out_of_state_dict(fmt):
     assert all(not b.requires_grad for b in m.buffers())
     x, idx, w, g = inputs(shape)
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+    fmt = fmt.removesuffix("_rows")
     assert m.expert_format == fmt and f"format={fmt}" in repr(m)
 
 
