@@ -56,7 +56,10 @@ def to_grid(scale: torch.Tensor, rows: int, cols: int, row_block: int) -> torch.
 
 
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") -> torch.Tensor:
-    """float32 weights from FP8 codes and their block scales (one float32 rounding per element)."""
+    """float32 weights from FP8 codes and their block scales (one float32 rounding per element); a tensor's single
+    scale may be [1], as compressed-tensors stores it."""
+    if scale_inv.dim() == 1 and q.dim() == 2:
+        scale_inv = scale_inv.reshape(1, 1)
     rows, cols = q.shape[-2:]
     check(q, scale_inv, name)
     return q.to(torch.float32) * expand_scales(scale_inv.to(torch.float32), rows, cols)

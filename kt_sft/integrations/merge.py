@@ -35,7 +35,7 @@ import torch
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
 from ..loader.model import fused_keys, fused_transposed, stored_in_mxfp4
-from ..loader.quantization import read_weight, weight_keys
+from ..loader.quantization import FP8_STRATEGIES, fp8_scale_key, is_fp8, read_weight, stored_shapes, weight_keys
 from ..models import architecture_of, canonical_model_type, served_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, expert_sizes,
@@ -263,11 +263,18 @@ def _not_a_pair(key: str) -> str:
 
 
 def stored_format(ckpt: Checkpoint, weight: str) -> str:
-    """'int4', 'fp8' or 'plain' for a weight named by its `<module>.weight` key."""
+    """'int4', 'fp8', a compressed-tensors FP8 format (by its scales' shape) or 'plain' for a weight named by its
+    `<module>.weight` key."""
     if weight_keys("int4", weight)[0] in ckpt.shard_of:
         return "int4"
     if weight in ckpt.shard_of:
-        return "fp8" if ckpt.dtype(weight) == "F8_E4M3" else "plain"
+        if ckpt.dtype(weight) != "F8_E4M3":
+            return "plain"
+        scale_key = fp8_scale_key(ckpt, weight)
+        if scale_key.endswith("_inv") or scale_key not in ckpt.shard_of:
+            return "fp8"
+        return next((f for f in FP8_STRATEGIES.values()
+                     if stored_shapes(f, ckpt.shape(weight))[1] == ckpt.shape(scale_key)), "fp8-block")
     raise ValueError(f"the adapter has LoRA on {weight.removesuffix('.weight')}, but the checkpoint {ckpt.dir} has no "
                      "such weight; merge it into the model it was trained on.")
 
@@ -276,7 +283,7 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
                   report: MergeReport) -> dict[str, torch.Tensor]:
     """The stored tensors (weight_keys of its format, stored_format's) of `weight` with its LoRA update merged."""
     keys = weight_keys(fmt, weight)
-    scales = ckpt.get(keys[1]) if fmt in ("int4", "fp8") else None
+    scales = ckpt.get(keys[1]) if fmt == "int4" or is_fp8(fmt) else None
     # Float32 values where quantized (the loader's checks included), decoded with the scales read here once.
     _, stored = read_weight(ckpt, keys[0], read=lambda key: scales if key in keys[1:2] else ckpt.get(key))
     w = stored.to(torch.float32)
@@ -295,7 +302,7 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
         packed, scale = int4_group.requantize(new, scales, base=w)
         out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
         back = int4_group.dequantize(packed, scale, w.shape[1])
-    elif fmt == "fp8":
+    elif is_fp8(fmt):  # on the published grid: 128x128 blocks, or compressed-tensors' channels or tensor
         q, scale_inv = fp8_block.requantize(new, scales, base=w)
         out = {keys[0]: q, keys[1]: scale_inv}
         back = fp8_block.dequantize(q, scale_inv)

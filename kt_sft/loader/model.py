@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .._ext import profile_every, require_one_process, require_settings
-from ..formats import QuantizedExperts, mxfp4
+from ..formats import QuantizedExperts, fp8_block, mxfp4
 from ..models import architecture_of
 from ..models.registry import text_config_of
 from ..models.patch import accept_per_expert_weights, install_around_the_engine
@@ -27,8 +27,9 @@ from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
-from .quantization import (COMPANION_SUFFIXES, check_stored_weight, checkpoint_format, engine_format,
-                           quantization_config_of, read_weight, stored_shapes, stored_weight_shape, weight_keys)
+from .quantization import (COMPANION_SUFFIXES, FP8_STRATEGIES, check_stored_weight, checkpoint_format, engine_format,
+                           fp8_row_block, quantization_config_of, read_weight, stored_shapes, stored_weight_shape,
+                           weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -55,7 +56,7 @@ def source_format(source: str | Path) -> str:
 # read as numbers they are not.
 _STORED_DTYPES = {
     "bf16": (("BF16", "F16", "F32"),),
-    "fp8": (("F8_E4M3",), ("F32", "BF16", "F16")),
+    **{fmt: (("F8_E4M3",), ("F32", "BF16", "F16")) for fmt in ("fp8", *FP8_STRATEGIES.values())},
     "int4": (("I32",), ("BF16",), ("I32", "I64")),  # the engine keeps the group scales in BF16
 }
 
@@ -182,7 +183,7 @@ def check_checkpoint(ckpt: Checkpoint, config, fmt: str = "bf16") -> None:
                              f"beside layer {layer}'s {fmt} experts, which kt_sft does not read ({fmt} experts are "
                              f"{', '.join(k.rsplit('.', 1)[1] for k in weight_keys(fmt, 'x.weight'))} only); check "
                              "that the checkpoint and its quantization_config belong together.")
-    _check_other_weights(ckpt, skeleton, config, arch, experts)
+    _check_other_weights(ckpt, skeleton, config, arch, experts, fmt)
 
 
 def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: int, I: int, H: int) -> set[str]:
@@ -366,7 +367,7 @@ def in_experts(arch, key: str, prefixes: tuple[str, ...]) -> bool:
     return key.startswith(prefixes) or arch.module_key(key).startswith(prefixes)
 
 
-def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> None:
+def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts, fmt: str) -> None:
     """The weights outside the routed experts, from the shard headers: each is a weight of the model config.json
     describes, with its shape, and the model's every weight is in the checkpoint (or tied to one that is). The
     load had found these only after reading every such weight (~34 GB at DeepSeek-V3), prepare not at all."""
@@ -381,7 +382,7 @@ def _check_other_weights(ckpt: Checkpoint, skeleton, config, arch, experts) -> N
             stored = f"{weight_key}_shape says" if key.endswith("_packed") else f"{key} has shape"
             raise ValueError(f"{stored} {list(shape)} but config.json implies {list(targets[name].shape)}; check that "
                              "config.json belongs to these weights.")
-        check_stored_weight(ckpt, key, shape)
+        check_stored_weight(ckpt, key, shape, fmt)
         found.add(name)
     if unexpected:
         raise ValueError(f"the checkpoint has {_first_of(unexpected)}, which no weight of the {config.model_type} "
@@ -465,9 +466,9 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
                 else:
                     dst.copy_(_expert_values(ckpt, source, key))
         return gate_up, down
-    q = QuantizedExperts.empty(target, E, H, I, arch.unit.gated)
+    q = QuantizedExperts.empty(target, E, H, I, arch.unit.gated, fp8_row_block(source))
     for e in range(E):
-        if source != target:
+        if engine_format(source) != target:
             values = dict(zip(arch.projections, (_expert_values(ckpt, source, key) for key in keys[e])))
             q.set_expert(e, values.get(0), values[1], values[2])  # no gate (0) without one
             continue
@@ -477,9 +478,12 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
             (q.gate_up_scale[e, :I], q.gate_up_scale[e, -I:])
         dsts = ((q.gate_up[e, :I], gate_scale), (q.gate_up[e, -I:], up_scale), (q.down[e], q.down_scale[e]))
         for key, (values, scale) in zip(keys[e], (dsts[p] for p in arch.projections)):
-            value_key, scale_key = weight_keys(target, key)[:2]
+            value_key, scale_key = weight_keys(source, key)[:2]
             ckpt.read_into(value_key, values)
-            ckpt.read_into(scale_key, scale)
+            if source == target:
+                ckpt.read_into(scale_key, scale)
+            else:  # compressed-tensors FP8: its per-channel or per-tensor scales spread over the engine's blocks
+                scale.copy_(fp8_block.to_grid(ckpt.read_new(scale_key), *values.shape, q.row_block))
     return q
 
 

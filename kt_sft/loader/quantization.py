@@ -1,7 +1,9 @@
 """Which expert format a checkpoint is published in (its config.json `quantization_config`), and reading its
-tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors pack-quantized INT4
-group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16 (`weight`); GPT-OSS's MXFP4 experts
-(`*_blocks` + `*_scales`, fused) are read by the loader's fused path (formats/mxfp4.py)."""
+tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors FP8 (`weight` + `weight_scale`
+per output channel, per tensor or per 128x128 block: the formats "fp8-channel", "fp8-tensor", "fp8-block"),
+compressed-tensors pack-quantized INT4 group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16
+(`weight`); GPT-OSS's MXFP4 experts (`*_blocks` + `*_scales`, fused) are read by the loader's fused path
+(formats/mxfp4.py)."""
 from __future__ import annotations
 
 import torch
@@ -9,9 +11,22 @@ import torch
 from ..formats import fp8_block, int4_group
 from ..models.registry import composite_of
 
-SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]), compressed-tensors pack-quantized "
-             "int4 (symmetric, group_size 32), mxfp4 (GPT-OSS's experts, read into BF16, FP8 or INT4), or no "
-             "quantization_config (BF16)")
+SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]), compressed-tensors float-quantized "
+             "fp8 (symmetric, strategy channel, tensor or block [128, 128], activations dynamic or none), "
+             "compressed-tensors pack-quantized int4 (symmetric, group_size 32), mxfp4 (GPT-OSS's experts, read into "
+             "BF16, FP8 or INT4), or no quantization_config (BF16)")
+# compressed-tensors FP8 by its weights' strategy: each scale grid is exact on the engine's FP8 blocks (a tensor's
+# and 128x128 blocks' on blocks of 128 rows, a channel's on blocks of one row).
+FP8_STRATEGIES = {"channel": "fp8-channel", "tensor": "fp8-tensor", "block": "fp8-block"}
+
+
+def is_fp8(fmt: str) -> bool:
+    return fmt == "fp8" or fmt in FP8_STRATEGIES.values()
+
+
+def fp8_row_block(fmt: str) -> int:
+    """The weight rows one scale row of the engine's grid covers for FP8 experts published in `fmt`."""
+    return 1 if fmt == "fp8-channel" else fp8_block.BLOCK
 
 
 def _unsupported(what: str) -> ValueError:
@@ -56,11 +71,13 @@ def checkpoint_format(quantization_config: dict | None) -> str:
         groups = qc.get("config_groups") or {}
         groups = list(groups.values()) if isinstance(groups, dict) else [groups]
         if len(groups) != 1:
-            raise _unsupported(f"{len(groups)} config_groups (one group of int4 weights is supported)")
+            raise _unsupported(f"{len(groups)} config_groups (one group of fp8 or int4 weights is supported)")
         if not isinstance(groups[0], dict) or not isinstance(groups[0].get("weights") or {}, dict):
             raise _unsupported(f"the config group {groups[0]!r}, which is not an object with a weights object")
         weights = groups[0].get("weights") or {}
         fmt = groups[0].get("format") or qc.get("format")
+        if weights.get("type") == "float":
+            return _compressed_fp8(groups[0], weights, fmt)
         want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
                 "actorder": None, "dynamic": False, "block_structure": None}
         got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
@@ -73,10 +90,27 @@ def checkpoint_format(quantization_config: dict | None) -> str:
     raise _unsupported(f"quant_method {method!r}")
 
 
+def _compressed_fp8(group: dict, weights: dict, fmt) -> str:
+    """The format of compressed-tensors FP8 weights (llm-compressor's FP8_DYNAMIC, FP8_BLOCK and weight-only
+    schemes); activations quantized with stored scales (input_scale: the static FP8 scheme) are refused, as for
+    quant_method fp8, and so is anything else that changes what the stored tensors mean."""
+    strategy = weights.get("strategy")
+    want = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
+            "group_size": None, "block_structure": [128, 128] if strategy == "block" else None}
+    got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
+    acts = group.get("input_activations")
+    static = isinstance(acts, dict) and acts.get("dynamic") in (False, None)
+    if got != want or strategy not in FP8_STRATEGIES or fmt not in ("float-quantized", "naive-quantized") or \
+            static or group.get("output_activations"):
+        raise _unsupported(f"format {fmt!r} with weights {dict(got, strategy=strategy)}, input_activations {acts} and "
+                           f"output_activations {group.get('output_activations')}")
+    return FP8_STRATEGIES[strategy]
+
+
 def engine_format(fmt: str) -> str:
-    """The engine's format for experts published in `fmt` unless --expert-format says otherwise: their own, or BF16
-    for MXFP4 (which the engine does not compute on; formats/mxfp4.py)."""
-    return "bf16" if fmt == "mxfp4" else fmt
+    """The engine's format for experts published in `fmt` unless --expert-format says otherwise: their own (FP8 for
+    compressed-tensors FP8), or BF16 for MXFP4 (which the engine does not compute on; formats/mxfp4.py)."""
+    return "bf16" if fmt == "mxfp4" else "fp8" if is_fp8(fmt) else fmt
 
 
 def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
@@ -84,6 +118,8 @@ def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
     base = weight_key.removesuffix(".weight")
     if fmt == "fp8":
         return weight_key, base + ".weight_scale_inv"
+    if is_fp8(fmt):
+        return weight_key, base + ".weight_scale"
     if fmt == "int4":
         return base + ".weight_packed", base + ".weight_scale", base + ".weight_shape"
     return (weight_key,)
@@ -92,8 +128,12 @@ def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
 def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ...]:
     """The shapes of weight_keys(...) for a weight of `shape` [out, in]."""
     out, inp = shape
-    if fmt == "fp8":
+    if fmt in ("fp8", "fp8-block"):
         return shape, fp8_block.scale_shape(out, inp)
+    if fmt == "fp8-channel":
+        return shape, (out, 1)
+    if fmt == "fp8-tensor":
+        return shape, (1,)
     if fmt == "int4":
         return (out, int4_group.words(inp)), (out, int4_group.groups(inp)), (2,)
     return (shape,)
@@ -136,30 +176,43 @@ def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
         shape = int4_weight_shape(ckpt, key, tuple(packed.shape))
         return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
     t = read(key)
-    scale_key = key.removesuffix(".weight") + ".weight_scale_inv"
+    scale_key = fp8_scale_key(ckpt, key)
     if t.dtype == torch.float8_e4m3fn:
         return key, fp8_block.dequantize(t, read(scale_key), key)
     if scale_key in ckpt.shard_of:
-        raise not_fp8_beside_scales(key, t.dtype)
+        raise not_fp8_beside_scales(key, t.dtype, scale_key)
     return key, t
 
 
-def not_fp8_beside_scales(key: str, dtype) -> ValueError:
-    return ValueError(f"{key} is {dtype} beside its FP8 block scales ({key.removesuffix('.weight')}.weight_scale_inv), "
-                      "where FP8 weights are float8_e4m3fn; its values would be read as plain numbers: check that the "
-                      "checkpoint and its quantization_config belong together.")
+def fp8_scale_key(ckpt, key: str, fmt: str = "fp8") -> str:
+    """The scales beside the FP8 `weight` key: `weight_scale_inv` (quant_method fp8) or compressed-tensors'
+    `weight_scale`, whichever is stored; with neither, the one the checkpoint's format `fmt` names."""
+    base = key.removesuffix(".weight")
+    inv, plain = base + ".weight_scale_inv", base + ".weight_scale"
+    if inv in ckpt.shard_of or plain in ckpt.shard_of:
+        return inv if inv in ckpt.shard_of else plain
+    return plain if is_fp8(fmt) and fmt != "fp8" else inv
 
 
-def check_stored_weight(ckpt, key: str, shape: tuple[int, ...]) -> None:
+def not_fp8_beside_scales(key: str, dtype, scale_key: str) -> ValueError:
+    return ValueError(f"{key} is {dtype} beside its FP8 scales ({scale_key}), where FP8 weights are float8_e4m3fn; its "
+                      "values would be read as plain numbers: check that the checkpoint and its quantization_config "
+                      "belong together.")
+
+
+def check_stored_weight(ckpt, key: str, shape: tuple[int, ...], checkpoint_fmt: str = "bf16") -> None:
     """A weight outside the routed experts stored quantized (FP8 `weight` of F8_E4M3 or beside block scales, INT4
     `weight_packed`), checked from the shard headers against the [rows, columns] it holds: the value dtype, and its
     companions present with the shapes those imply (else the load fails after reading every other weight)."""
+    scale_key = fp8_scale_key(ckpt, key, checkpoint_fmt)
     if key.endswith(".weight_packed"):
         fmt = "int4"
-    elif ckpt.dtype(key) == "F8_E4M3" or key.removesuffix(".weight") + ".weight_scale_inv" in ckpt.shard_of:
-        fmt = "fp8"
+    elif ckpt.dtype(key) == "F8_E4M3" or scale_key in ckpt.shard_of:
         if ckpt.dtype(key) != "F8_E4M3":
-            raise not_fp8_beside_scales(key, ckpt.dtype(key))
+            raise not_fp8_beside_scales(key, ckpt.dtype(key), scale_key)
+        # compressed-tensors' scales: the checkpoint's strategy (one config group), else the grid their shape gives
+        fmt = "fp8" if scale_key.endswith("_inv") else checkpoint_fmt if is_fp8(checkpoint_fmt) else next(
+            (f for f in FP8_STRATEGIES.values() if stored_shapes(f, shape)[1] == ckpt.shape(scale_key)), "fp8-block")
     else:
         return
     keys = weight_keys(fmt, key.removesuffix("_packed"))

@@ -344,7 +344,7 @@ def test_a_dense_weight_beside_fp8_scales_in_another_dtype_is_refused(published,
     src = quantize_checkpoint(published["bf16"], tmp_path / "e5m2", "fp8")
     key = next(k for k in _keys(src) if k.endswith("self_attn.o_proj.weight"))
     _rewrite(src, lambda state: state.update({key: state[key].to(torch.float8_e5m2)}))
-    with pytest.raises(ValueError, match=re.escape(key) + r" is F8_E5M2 beside its FP8 block scales"):
+    with pytest.raises(ValueError, match=re.escape(key) + r" is F8_E5M2 beside its FP8 scales"):
         run(["prepare", str(src), str(tmp_path / "out")])
 
 

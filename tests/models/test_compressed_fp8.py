@@ -1,0 +1,145 @@
+"""compressed-tensors FP8 checkpoints (llm-compressor's FP8_DYNAMIC with a scale per output channel, FP8_BLOCK with
+128x128 blocks, one scale per tensor), quantized by the compressed-tensors package itself: the experts stay FP8 in
+the engine with their scales exact on its grid, logits equal the stock model on the values compressed-tensors
+decodes, LoRA trains, other formats convert at load, `kt-sft merge` writes the checkpoint back in its own layout,
+and what the format cannot mean is refused by name."""
+import json
+
+import peft
+import pytest
+import torch
+
+from kt_sft.cli import run
+from kt_sft.formats import fp8_block
+from kt_sft.integrations.merge import merge_adapter
+from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.peft.layer import KTExpertsLinear
+from quantized_checkpoints import dequantized_copy, quantize_checkpoint
+from test_merge import updates_of
+from test_quantized_models import IDS, load
+from tiny_models import CONFIGS, experts_rounded_to_bf16, model_class, save_checkpoint
+from tolerances import FP32_IO, rel_l2
+
+STRATEGIES = ["channel", "tensor", "block"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A Qwen3-MoE checkpoint in BF16 and in each compressed-tensors FP8 strategy (every linear projection in FP8),
+    its experts 136 wide: two 128-row blocks of gate and up, two 128-column blocks of down."""
+    root = tmp_path_factory.mktemp("compressed_fp8")
+    torch.manual_seed(0)
+    config = CONFIGS["qwen3_moe"]()
+    config.moe_intermediate_size = 136
+    save_checkpoint(experts_rounded_to_bf16(model_class(config).from_config(config, dtype=torch.float32)),
+                    root / "bf16")
+    out = {s: quantize_checkpoint(root / "bf16", root / s, "fp8-" + s) for s in STRATEGIES}
+    return {**out, "bf16": root / "bf16"}
+
+
+def experts_of(model):
+    return [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compressed_fp8_loads_in_its_format_and_matches(published, tmp_path, strategy):
+    ckpt = Checkpoint(published[strategy])
+    assert ckpt.dtype("model.layers.0.mlp.experts.0.up_proj.weight_scale") == "BF16"
+    assert run(["prepare", str(published[strategy]), str(tmp_path / "prepared")]) == 0
+    model = load(tmp_path / "prepared")
+    experts = experts_of(model)
+    assert experts and all(m.expert_format == "fp8" for m in experts)
+    # A channel's scale spreads over blocks one row high (exact), the others' over 128x128 blocks.
+    I = experts[0].intermediate_size
+    assert experts[0].gate_up_scale.shape[2] == (I if strategy == "channel" else 2)
+    ref = load(dequantized_copy(published[strategy], tmp_path / "ref", "qwen3_moe"))
+    with torch.no_grad():
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+    lora = peft.get_peft_model(model.requires_grad_(False), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                            target_modules=TARGETS))
+    lora.train()
+    lora(input_ids=IDS, labels=IDS).loss.backward()
+    assert all(m.lora_B["default"]["down"].grad.abs().sum() > 0 for m in experts)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_compressed_fp8_converts_at_load(published, tmp_path, fmt):
+    assert run(["prepare", str(published["channel"]), str(tmp_path / "prepared"), "--expert-format", fmt]) == 0
+    model = load(tmp_path / "prepared")
+    experts = experts_of(model)
+    assert all(m.expert_format == fmt for m in experts)
+    ref = load(dequantized_copy(published["channel"], tmp_path / "ref", "qwen3_moe"))
+    with torch.no_grad():
+        for theirs, ours in zip((m for m in ref.modules() if type(m).__name__ == "Qwen3MoeExperts"), experts):
+            gate_up, down = ours.base_weights()
+            theirs.gate_up_proj.copy_(gate_up)
+            theirs.down_proj.copy_(down)
+        assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_compressed_fp8_merges_in_its_own_layout(published, tmp_path, strategy):
+    prepared = tmp_path / "prepared"
+    assert run(["prepare", str(published[strategy]), str(prepared)]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    model = peft.get_peft_model(load(prepared).requires_grad_(False), config)
+    model.save_pretrained(tmp_path / "adapter")
+    report = merge_adapter(prepared, tmp_path / "adapter", tmp_path / "merged")
+
+    src, out = Checkpoint(published[strategy]), Checkpoint(tmp_path / "merged")
+    assert {k: (src.dtype(k), src.shape(k)) for k in src.keys()} == {k: (out.dtype(k), out.shape(k)) for k in out.keys()}
+    updates = updates_of(model)
+    for weight, update in updates.items():
+        scale_key = weight.removesuffix(".weight") + ".weight_scale"
+        values = fp8_block.dequantize(src.get(weight), src.get(scale_key).float())
+        q, scale = fp8_block.requantize(values + update, src.get(scale_key), base=values)
+        assert torch.equal(out.get(weight).view(torch.uint8), q.view(torch.uint8)), weight
+        assert torch.equal(out.get(scale_key), scale), weight
+    assert sum(report.merged.values()) == len(updates) and set(report.merged) == {"fp8-" + strategy}
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["quantization_config"] == \
+        json.loads((published[strategy] / "config.json").read_text())["quantization_config"]
+    assert run(["prepare", str(tmp_path / "merged"), str(tmp_path / "reprepared")]) == 0
+    with torch.no_grad():
+        assert torch.isfinite(load(tmp_path / "reprepared")(IDS).logits).all()
+
+
+def _with_weights(config: dict, **changes) -> dict:
+    group = config["config_groups"]["group_0"]
+    return {**config, "config_groups": {"group_0": {**group, "weights": {**group["weights"], **changes}}}}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     r"input_activations \{.*'dynamic': False"),
+    (dict(weights={"num_bits": 8, "type": "float", "symmetric": False, "strategy": "channel"}), "'symmetric': False"),
+    (dict(weights={"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 128}),
+     "'strategy': 'group'"),
+    (dict(weights={"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                   "block_structure": [64, 64]}), r"'block_structure': \[64, 64\]"),
+    (dict(weights={"num_bits": 4, "type": "float", "symmetric": True, "strategy": "channel"}), "'num_bits': 4"),
+])
+def test_compressed_fp8_settings_that_change_meaning_are_refused(published, tmp_path, change, match):
+    cfg = json.loads((published["channel"] / "config.json").read_text())
+    group = cfg["quantization_config"]["config_groups"]["group_0"]
+    cfg["quantization_config"]["config_groups"]["group_0"] = {**group, **change}
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in published["channel"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+def test_compressed_fp8_scales_of_another_strategy_are_named(published, tmp_path):
+    cfg = json.loads((published["channel"] / "config.json").read_text())
+    cfg["quantization_config"] = _with_weights(cfg["quantization_config"], strategy="tensor")
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in published["channel"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"weight_scale has shape \[\d+, 1\] but config.json implies \[1\]"):
+        run(["prepare", str(src), str(tmp_path / "out")])
