@@ -23,6 +23,7 @@ adapter unmerged (or a BF16 export) is the better choice.
 """
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ import torch
 
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
-from ..loader.model import fused_keys, fused_transposed, stored_in_mxfp4
-from ..loader.quantization import FP8_STRATEGIES, fp8_scale_key, is_fp8, read_weight, stored_shapes, weight_keys
+from ..loader.model import fused_keys, fused_transposed, source_format, stored_in_mxfp4
+from ..loader.quantization import (FP8_STRATEGIES, fp8_scale_key, int4_group_size, is_fp8, is_int4, read_weight,
+                                   stored_shapes, weight_keys)
 from ..models import architecture_of, canonical_model_type, served_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, expert_sizes,
@@ -233,7 +235,7 @@ def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str)
     except ValueError:
         raise ValueError(f"the adapter holds {key}, a whole weight for {weight}, which the checkpoint {ckpt.dir} does "
                          "not have; merge it into the model it was trained on.") from None
-    stored = read_weight(ckpt, weight_keys(fmt, weight)[0])[1]
+    stored = read_weight(ckpt, weight_keys(fmt, weight)[0], fmt=fmt)[1]
     if tuple(stored.shape) != tuple(copy.shape) or not torch.equal(stored.to(copy.dtype), copy):
         what = (f"resized from {list(stored.shape)} to {list(copy.shape)} (a vocabulary resized in training)"
                 if tuple(stored.shape) != tuple(copy.shape) else "with values other than the checkpoint's")
@@ -262,11 +264,18 @@ def _not_a_pair(key: str) -> str:
     return "not a LoRA matrix kt-sft knows"
 
 
+@functools.lru_cache(maxsize=8)
+def published_format(directory: Path) -> str:
+    """The format the checkpoint in `directory` declares (source_format), read once per merge."""
+    return source_format(directory)
+
+
 def stored_format(ckpt: Checkpoint, weight: str) -> str:
-    """'int4', 'fp8', a compressed-tensors FP8 format (by its scales' shape) or 'plain' for a weight named by its
-    `<module>.weight` key."""
+    """'int4' (or 'int4-g128' and the like: the group size the checkpoint declares), 'fp8', a compressed-tensors FP8
+    format (by its scales' shape) or 'plain' for a weight named by its `<module>.weight` key."""
     if weight_keys("int4", weight)[0] in ckpt.shard_of:
-        return "int4"
+        published = published_format(ckpt.dir)
+        return published if is_int4(published) else "int4"
     if weight in ckpt.shard_of:
         if ckpt.dtype(weight) != "F8_E4M3":
             return "plain"
@@ -283,9 +292,9 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
                   report: MergeReport) -> dict[str, torch.Tensor]:
     """The stored tensors (weight_keys of its format, stored_format's) of `weight` with its LoRA update merged."""
     keys = weight_keys(fmt, weight)
-    scales = ckpt.get(keys[1]) if fmt == "int4" or is_fp8(fmt) else None
+    scales = ckpt.get(keys[1]) if is_int4(fmt) or is_fp8(fmt) else None
     # Float32 values where quantized (the loader's checks included), decoded with the scales read here once.
-    _, stored = read_weight(ckpt, keys[0], read=lambda key: scales if key in keys[1:2] else ckpt.get(key))
+    _, stored = read_weight(ckpt, keys[0], read=lambda key: scales if key in keys[1:2] else ckpt.get(key), fmt=fmt)
     w = stored.to(torch.float32)
     b, a, scaling = update
     if (b.shape[0], a.shape[1]) != tuple(w.shape):
@@ -298,10 +307,11 @@ def merged_weight(ckpt: Checkpoint, weight: str, fmt: str, update: tuple,
             raise ValueError(f"{weight} holds NaN or Inf in the model's checkpoint; it is corrupt: download it again "
                              "(nothing was written).")
         raise ValueError(f"merging the adapter would put NaN/Inf into {weight}; nothing was written.")
-    if fmt == "int4":
-        packed, scale = int4_group.requantize(new, scales, base=w)
+    if is_int4(fmt):  # on the published groups
+        group = int4_group_size(fmt)
+        packed, scale = int4_group.requantize(new, scales, base=w, group=group)
         out = {keys[0]: packed, keys[1]: scale, keys[2]: ckpt.get(keys[2])}
-        back = int4_group.dequantize(packed, scale, w.shape[1])
+        back = int4_group.dequantize(packed, scale, w.shape[1], group=group)
     elif is_fp8(fmt):  # on the published grid: 128x128 blocks, or compressed-tensors' channels or tensor
         q, scale_inv = fp8_block.requantize(new, scales, base=w)
         out = {keys[0]: q, keys[1]: scale_inv}

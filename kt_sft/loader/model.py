@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .._ext import profile_every, require_one_process, require_settings
-from ..formats import QuantizedExperts, fp8_block, mxfp4
+from ..formats import QuantizedExperts, fp8_block, int4_group, mxfp4
 from ..models import architecture_of
 from ..models.registry import text_config_of
 from ..models.patch import accept_per_expert_weights, install_around_the_engine
@@ -27,9 +27,9 @@ from ..ops.step_profile import attach_step_profile
 from ..peft.layer import KTExpertsLinear
 from ..peft.targets import WarnMissedExpertTargets
 from .checkpoint import Checkpoint
-from .quantization import (COMPANION_SUFFIXES, FP8_STRATEGIES, check_stored_weight, checkpoint_format, engine_format,
-                           fp8_row_block, quantization_config_of, read_weight, stored_shapes, stored_weight_shape,
-                           weight_keys)
+from .quantization import (COMPANION_SUFFIXES, check_stored_weight, checkpoint_format, engine_format, fp8_row_block,
+                           int4_group_size, is_int4, quantization_config_of, read_weight, stored_shapes,
+                           stored_weight_shape, weight_keys)
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -54,9 +54,10 @@ def source_format(source: str | Path) -> str:
 # The safetensors dtypes each of weight_keys(fmt, ...) may be stored in: read as stored or converted to the
 # engine's dtype (F16/F32 values of BF16 experts rounded to BF16, as a BF16 from_pretrained rounds them), never
 # read as numbers they are not.
+# By engine_format: compressed-tensors FP8 as FP8, INT4 of any group size as INT4.
 _STORED_DTYPES = {
     "bf16": (("BF16", "F16", "F32"),),
-    **{fmt: (("F8_E4M3",), ("F32", "BF16", "F16")) for fmt in ("fp8", *FP8_STRATEGIES.values())},
+    "fp8": (("F8_E4M3",), ("F32", "BF16", "F16")),
     "int4": (("I32",), ("BF16",), ("I32", "I64")),  # the engine keeps the group scales in BF16
 }
 
@@ -68,7 +69,7 @@ def _unquantized_expert(key: str, fmt: str) -> ValueError:
 
 
 def _stored_dtype_error(key: str, dtype: str, fmt: str, dtypes: tuple[str, ...]) -> ValueError:
-    if fmt == "int4" and key.endswith(".weight_scale"):
+    if is_int4(fmt) and key.endswith(".weight_scale"):
         return ValueError(f"{key} is {dtype}; kt_sft reads INT4 group scales as BF16, as the RAWINT4 checkpoints "
                           "publish them, and would round these: requantize with BF16 scales, or prepare a BF16 "
                           "checkpoint with `--expert-format int4`.")
@@ -195,7 +196,7 @@ def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: i
         for p in arch.projections:
             keys = weight_keys(fmt, arch.expert_key(layer, e, p))
             expected.update(keys)
-            for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[fmt]):
+            for key, shape, dtypes in zip(keys, stored_shapes(fmt, want[p]), _STORED_DTYPES[engine_format(fmt)]):
                 if key not in ckpt.shard_of:
                     plain = arch.expert_key(layer, e, p)
                     if fmt != "bf16" and plain in ckpt.shard_of and ckpt.dtype(plain) in ("BF16", "F16", "F32"):
@@ -216,7 +217,7 @@ def _check_per_expert(ckpt: Checkpoint, config, arch, fmt: str, layer: int, E: i
                 if ckpt.shape(key) != shape:
                     raise ValueError(f"{key} has shape {list(ckpt.shape(key))} but config.json implies "
                                      f"{list(shape)}; check that config.json belongs to these weights.")
-            if fmt == "int4":
+            if is_int4(fmt):
                 key = keys[2]
                 if ckpt.get(key).tolist() != list(want[p]):
                     raise ValueError(f"{key} says {ckpt.get(key).tolist()} but config.json implies "
@@ -406,7 +407,7 @@ def _expert_values(ckpt: Checkpoint, fmt: str, key: str) -> torch.Tensor:
     """One expert weight as values (float32 when stored quantized), read with plain file reads into fresh
     tensors: a memory map would keep every expert page it touched in the process's RSS (the whole routed set,
     when converting between formats at load)."""
-    return read_weight(ckpt, weight_keys(fmt, key)[0], read=ckpt.read_new)[1]
+    return read_weight(ckpt, weight_keys(fmt, key)[0], read=ckpt.read_new, fmt=fmt)[1]
 
 
 def expert_biases(ckpt: Checkpoint, arch, fused: tuple[str, str] | None) -> dict:
@@ -477,11 +478,13 @@ def load_experts(ckpt: Checkpoint, arch, layer: int, E: int, H: int, I: int, sou
         gate_scale, up_scale = (q.gate_up_scale[e, 0], q.gate_up_scale[e, -1]) if target == "fp8" else \
             (q.gate_up_scale[e, :I], q.gate_up_scale[e, -I:])
         dsts = ((q.gate_up[e, :I], gate_scale), (q.gate_up[e, -I:], up_scale), (q.down[e], q.down_scale[e]))
-        for key, (values, scale) in zip(keys[e], (dsts[p] for p in arch.projections)):
-            value_key, scale_key = weight_keys(source, key)[:2]
+        for p, key in zip(arch.projections, keys[e]):
+            (values, scale), value_key, scale_key = dsts[p], *weight_keys(source, key)[:2]
             ckpt.read_into(value_key, values)
             if source == target:
                 ckpt.read_into(scale_key, scale)
+            elif target == "int4":  # groups larger than 32: each scale spread over the engine's groups in it
+                scale.copy_(int4_group.to_grid(ckpt.read_new(scale_key), I if p == 2 else H, int4_group_size(source)))
             else:  # compressed-tensors FP8: its per-channel or per-tensor scales spread over the engine's blocks
                 scale.copy_(fp8_block.to_grid(ckpt.read_new(scale_key), *values.shape, q.row_block))
     return q
@@ -603,7 +606,7 @@ def load_hybrid_model(source: str, config, dtype: torch.dtype = torch.bfloat16, 
     float32 = kept_in_float32(model, dtype)
     state = {}
     for key in other_weight_keys(ckpt, model, arch, experts):
-        key, t = read_weight(ckpt, key)
+        key, t = read_weight(ckpt, key, fmt=fmt)
         name = arch.module_key(key)
         state[name] = t.to(torch.float32 if float32(name) else targets[name].dtype)
     model.load_state_dict(state, strict=False, assign=True)

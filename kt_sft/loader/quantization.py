@@ -1,7 +1,8 @@
 """Which expert format a checkpoint is published in (its config.json `quantization_config`), and reading its
 tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors FP8 (`weight` + `weight_scale`
 per output channel, per tensor or per 128x128 block: the formats "fp8-channel", "fp8-tensor", "fp8-block"),
-compressed-tensors pack-quantized INT4 group-32 (`weight_packed` + `weight_scale` + `weight_shape`), or plain BF16
+compressed-tensors pack-quantized INT4 group-32 (`weight_packed` + `weight_scale` + `weight_shape`; groups of 64, 128
+or any multiple of 32 as "int4-g<size>": W4A16 releases), or plain BF16
 (`weight`); GPT-OSS's MXFP4 experts (`*_blocks` + `*_scales`, fused) are read by the loader's fused path
 (formats/mxfp4.py)."""
 from __future__ import annotations
@@ -13,8 +14,8 @@ from ..models.registry import composite_of
 
 SUPPORTED = ("fp8 (quant_method 'fp8', e4m3, weight_block_size [128, 128]), compressed-tensors float-quantized "
              "fp8 (symmetric, strategy channel, tensor or block [128, 128], activations dynamic or none), "
-             "compressed-tensors pack-quantized int4 (symmetric, group_size 32), mxfp4 (GPT-OSS's experts, read into "
-             "BF16, FP8 or INT4), or no quantization_config (BF16)")
+             "compressed-tensors pack-quantized int4 (symmetric, group_size 32 or a multiple of it, actorder none or "
+             "weight), mxfp4 (GPT-OSS's experts, read into BF16, FP8 or INT4), or no quantization_config (BF16)")
 # compressed-tensors FP8 by its weights' strategy: each scale grid is exact on the engine's FP8 blocks (a tensor's
 # and 128x128 blocks' on blocks of 128 rows, a channel's on blocks of one row).
 FP8_STRATEGIES = {"channel": "fp8-channel", "tensor": "fp8-tensor", "block": "fp8-block"}
@@ -22,6 +23,15 @@ FP8_STRATEGIES = {"channel": "fp8-channel", "tensor": "fp8-tensor", "block": "fp
 
 def is_fp8(fmt: str) -> bool:
     return fmt == "fp8" or fmt in FP8_STRATEGIES.values()
+
+
+def is_int4(fmt: str) -> bool:
+    return fmt == "int4" or fmt.startswith("int4-g")
+
+
+def int4_group_size(fmt: str) -> int:
+    """The columns per scale of INT4 weights published in `fmt` ("int4": 32; "int4-g128": 128)."""
+    return int(fmt.removeprefix("int4-g")) if fmt.startswith("int4-g") else int4_group.GROUP
 
 
 def fp8_row_block(fmt: str) -> int:
@@ -78,13 +88,19 @@ def checkpoint_format(quantization_config: dict | None) -> str:
         fmt = groups[0].get("format") or qc.get("format")
         if weights.get("type") == "float":
             return _compressed_fp8(groups[0], weights, fmt)
-        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+        # Groups of any multiple of 32 spread exactly over the engine's 32 (int4_group.to_grid); actorder "weight"
+        # (alias "static") only ordered GPTQ's calibration, the stored layout is the same as without it.
+        size = weights.get("group_size")
+        want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": size,
                 "actorder": None, "dynamic": False, "block_structure": None}
         got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
-        if got != want or fmt != "pack-quantized" or groups[0].get("input_activations"):
-            raise _unsupported(f"format {fmt!r} with weights {got} and input_activations "
-                               f"{groups[0].get('input_activations')}")
-        return "int4"
+        if got["actorder"] in ("weight", "static"):
+            got["actorder"] = None
+        if got != want or not (isinstance(size, int) and size > 0 and size % int4_group.GROUP == 0) or \
+                fmt != "pack-quantized" or groups[0].get("input_activations"):
+            raise _unsupported(f"format {fmt!r} with weights {dict(got, actorder=weights.get('actorder'))} and "
+                               f"input_activations {groups[0].get('input_activations')}")
+        return "int4" if size == int4_group.GROUP else f"int4-g{size}"
     if method == "mxfp4":
         return "mxfp4"
     raise _unsupported(f"quant_method {method!r}")
@@ -110,7 +126,7 @@ def _compressed_fp8(group: dict, weights: dict, fmt) -> str:
 def engine_format(fmt: str) -> str:
     """The engine's format for experts published in `fmt` unless --expert-format says otherwise: their own (FP8 for
     compressed-tensors FP8), or BF16 for MXFP4 (which the engine does not compute on; formats/mxfp4.py)."""
-    return "bf16" if fmt == "mxfp4" else "fp8" if is_fp8(fmt) else fmt
+    return "bf16" if fmt == "mxfp4" else "fp8" if is_fp8(fmt) else "int4" if is_int4(fmt) else fmt
 
 
 def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
@@ -120,7 +136,7 @@ def weight_keys(fmt: str, weight_key: str) -> tuple[str, ...]:
         return weight_key, base + ".weight_scale_inv"
     if is_fp8(fmt):
         return weight_key, base + ".weight_scale"
-    if fmt == "int4":
+    if is_int4(fmt):
         return base + ".weight_packed", base + ".weight_scale", base + ".weight_shape"
     return (weight_key,)
 
@@ -134,8 +150,8 @@ def stored_shapes(fmt: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], ..
         return shape, (out, 1)
     if fmt == "fp8-tensor":
         return shape, (1,)
-    if fmt == "int4":
-        return (out, int4_group.words(inp)), (out, int4_group.groups(inp)), (2,)
+    if is_int4(fmt):
+        return (out, int4_group.words(inp)), (out, int4_group.groups(inp, int4_group_size(fmt))), (2,)
     return (shape,)
 
 
@@ -165,16 +181,17 @@ def stored_weight_shape(ckpt, key: str) -> tuple[str, tuple[int, ...]]:
     return key, ckpt.shape(key)
 
 
-def read_weight(ckpt, key: str, read=None) -> tuple[str, torch.Tensor]:
+def read_weight(ckpt, key: str, read=None, fmt: str = "int4") -> tuple[str, torch.Tensor]:
     """(module key `<module>.weight`, float32 values) of a weight stored quantized, or the tensor as stored for
     everything else. `key` is the key that holds the values (`.weight` or `.weight_packed`); `read(key)` reads a
-    tensor (default: ckpt.get)."""
+    tensor (default: ckpt.get); fmt: the checkpoint's format, which gives an INT4 weight's group size."""
     read = read or ckpt.get
     if key.endswith(".weight_packed"):
         base = key.removesuffix(".weight_packed")
         packed = read(key)
         shape = int4_weight_shape(ckpt, key, tuple(packed.shape))
-        return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key)
+        group = int4_group_size(fmt) if is_int4(fmt) else int4_group.GROUP
+        return base + ".weight", int4_group.dequantize(packed, read(base + ".weight_scale"), shape[1], key, group)
     t = read(key)
     scale_key = fp8_scale_key(ckpt, key)
     if t.dtype == torch.float8_e4m3fn:
@@ -206,7 +223,7 @@ def check_stored_weight(ckpt, key: str, shape: tuple[int, ...], checkpoint_fmt: 
     companions present with the shapes those imply (else the load fails after reading every other weight)."""
     scale_key = fp8_scale_key(ckpt, key, checkpoint_fmt)
     if key.endswith(".weight_packed"):
-        fmt = "int4"
+        fmt = checkpoint_fmt if is_int4(checkpoint_fmt) else "int4"
     elif ckpt.dtype(key) == "F8_E4M3" or scale_key in ckpt.shard_of:
         if ckpt.dtype(key) != "F8_E4M3":
             raise not_fp8_beside_scales(key, ckpt.dtype(key), scale_key)

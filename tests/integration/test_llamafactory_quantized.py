@@ -1,6 +1,7 @@
 """LoRA through the stock `llamafactory-cli` on quantized checkpoints laid out as published: a tiny DeepSeek-V3 in
 FP8 block-128 and in compressed-tensors FP8 with a scale per channel (llm-compressor's FP8_DYNAMIC, as community FP8
-releases of GLM and Qwen3 are), and a tiny Kimi-K2 in RAWINT4 group-32. The experts stay quantized in the engine,
+releases of GLM and Qwen3 are), a tiny Kimi-K2 in RAWINT4 group-32, and the DeepSeek-V3 in compressed-tensors INT4
+of groups of 64 (W4A16 releases). The experts stay quantized in the engine,
 the loss falls, and the adapter (expert LoRA included) loads back exactly with PEFT."""
 import peft
 import pytest
@@ -52,7 +53,7 @@ def bf16_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("fmt, model_type", [("fp8", "deepseek_v3"), ("fp8-channel", "deepseek_v3"),
-                                             ("int4", "kimi_k2")])
+                                             ("int4", "kimi_k2"), ("int4-g64", "deepseek_v3")])
 def test_lora_on_published_quantized_checkpoint(bf16_model, fmt, model_type):
     root = bf16_model
     prepared = prepare(quantize_checkpoint(root / "bf16", root / fmt, fmt, model_type=model_type), root / f"{fmt}_kt")
@@ -63,7 +64,7 @@ def test_lora_on_published_quantized_checkpoint(bf16_model, fmt, model_type):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(prepared, trust_remote_code=True, dtype=torch.float32)
     experts = [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
-    assert experts and all(m.expert_format == fmt.removesuffix("-channel") for m in experts)
+    assert experts and all(m.expert_format == fmt.split("-")[0] for m in experts)
     model = peft.PeftModel.from_pretrained(model, str(out))
     loaded = dict(model.named_parameters())
     with safe_open(str(out / "adapter_model.safetensors"), "pt") as f:

@@ -59,7 +59,8 @@ def test_qwen3_5_moe_as_published_serves_the_whole_model_reading_its_experts_onc
     assert run(["prepare", str(tmp_path / "published"), str(tmp_path / "out")]) == 0
     read = []
     real = loader_model.read_weight
-    monkeypatch.setattr(loader_model, "read_weight", lambda ckpt, key, *a: read.append(key) or real(ckpt, key, *a))
+    monkeypatch.setattr(loader_model, "read_weight",
+                        lambda ckpt, key, *a, **kw: read.append(key) or real(ckpt, key, *a, **kw))
     model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "out", trust_remote_code=True,
                                                                      dtype=torch.float32)
     assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"

@@ -44,7 +44,7 @@ def test_the_thinker_of_the_published_checkpoint_is_served_and_matches_with_imag
     read = []
     real = loader_model.read_weight
     monkeypatch.setattr(loader_model, "read_weight",
-                        lambda ckpt, key, *a: read.append(ckpt.prefix + key) or real(ckpt, key, *a))
+                        lambda ckpt, key, *a, **kw: read.append(ckpt.prefix + key) or real(ckpt, key, *a, **kw))
     model = load(out)
     assert type(model).__name__ == "Qwen3OmniMoeThinkerForConditionalGeneration"
     assert sum(isinstance(m, KTExpertsLinear) for m in model.modules()) == 2

@@ -1,8 +1,9 @@
-"""compressed-tensors FP8 checkpoints (llm-compressor's FP8_DYNAMIC with a scale per output channel, FP8_BLOCK with
-128x128 blocks, one scale per tensor), quantized by the compressed-tensors package itself: the experts stay FP8 in
-the engine with their scales exact on its grid, logits equal the stock model on the values compressed-tensors
-decodes, LoRA trains, other formats convert at load, `kt-sft merge` writes the checkpoint back in its own layout,
-and what the format cannot mean is refused by name."""
+"""compressed-tensors checkpoints as llm-compressor writes them, quantized by the compressed-tensors package itself:
+FP8 (FP8_DYNAMIC with a scale per output channel, FP8_BLOCK with 128x128 blocks, one scale per tensor) and W4A16
+(INT4 in groups of 64, every linear projection). The experts stay FP8 / INT4 in the engine with their scales exact
+on its grid, logits equal the stock model on the values compressed-tensors decodes, LoRA trains, other formats
+convert at load, `kt-sft merge` writes the checkpoint back in its own layout, and what the format cannot mean is
+refused by name."""
 import json
 
 import peft
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from kt_sft.cli import run
-from kt_sft.formats import fp8_block
+from kt_sft.formats import fp8_block, int4_group
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.peft.layer import KTExpertsLinear
@@ -21,20 +22,24 @@ from tiny_models import CONFIGS, experts_rounded_to_bf16, model_class, save_chec
 from tolerances import FP32_IO, rel_l2
 
 STRATEGIES = ["channel", "tensor", "block"]
+FORMATS = STRATEGIES + ["w4a16"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "experts"]
 
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory):
-    """A Qwen3-MoE checkpoint in BF16 and in each compressed-tensors FP8 strategy (every linear projection in FP8),
-    its experts 136 wide: two 128-row blocks of gate and up, two 128-column blocks of down."""
-    root = tmp_path_factory.mktemp("compressed_fp8")
-    torch.manual_seed(0)
-    config = CONFIGS["qwen3_moe"]()
-    config.moe_intermediate_size = 136
-    save_checkpoint(experts_rounded_to_bf16(model_class(config).from_config(config, dtype=torch.float32)),
-                    root / "bf16")
+    """A Qwen3-MoE checkpoint in each compressed-tensors FP8 strategy, its experts 136 wide (two 128-row blocks of
+    gate and up, two 128-column blocks of down), and one in W4A16 with experts 128 wide (two groups of 64 per row of
+    down: compressed-tensors packs only rows of whole groups); every linear projection quantized."""
+    root = tmp_path_factory.mktemp("compressed")
+    for name, width in (("bf16", 136), ("bf16_128", 128)):
+        torch.manual_seed(0)
+        config = CONFIGS["qwen3_moe"]()
+        config.moe_intermediate_size = width
+        save_checkpoint(experts_rounded_to_bf16(model_class(config).from_config(config, dtype=torch.float32)),
+                        root / name)
     out = {s: quantize_checkpoint(root / "bf16", root / s, "fp8-" + s) for s in STRATEGIES}
+    out["w4a16"] = quantize_checkpoint(root / "bf16_128", root / "w4a16", "int4-g64", int4_dense=True)
     return {**out, "bf16": root / "bf16"}
 
 
@@ -42,17 +47,20 @@ def experts_of(model):
     return [m for m in model.modules() if isinstance(m, KTExpertsLinear)]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_compressed_fp8_loads_in_its_format_and_matches(published, tmp_path, strategy):
+@pytest.mark.parametrize("strategy", FORMATS)
+def test_compressed_checkpoint_loads_in_its_format_and_matches(published, tmp_path, strategy):
     ckpt = Checkpoint(published[strategy])
     assert ckpt.dtype("model.layers.0.mlp.experts.0.up_proj.weight_scale") == "BF16"
     assert run(["prepare", str(published[strategy]), str(tmp_path / "prepared")]) == 0
     model = load(tmp_path / "prepared")
     experts = experts_of(model)
-    assert experts and all(m.expert_format == "fp8" for m in experts)
-    # A channel's scale spreads over blocks one row high (exact), the others' over 128x128 blocks.
-    I = experts[0].intermediate_size
-    assert experts[0].gate_up_scale.shape[2] == (I if strategy == "channel" else 2)
+    fmt = "int4" if strategy == "w4a16" else "fp8"
+    assert experts and all(m.expert_format == fmt for m in experts)
+    # A channel's scale spreads over blocks one row high (exact), the others' over 128x128 blocks; W4A16's groups of
+    # 64 over the engine's groups of 32.
+    E, H, I = experts[0].num_experts, experts[0].hidden_size, experts[0].intermediate_size
+    assert experts[0].down_scale.shape == (E, H, 4) if fmt == "int4" else \
+        experts[0].gate_up_scale.shape[2] == (I if strategy == "channel" else 2)
     ref = load(dequantized_copy(published[strategy], tmp_path / "ref", "qwen3_moe"))
     with torch.no_grad():
         assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
@@ -79,8 +87,8 @@ def test_compressed_fp8_converts_at_load(published, tmp_path, fmt):
         assert rel_l2(model(IDS).logits, ref(IDS).logits) <= FP32_IO
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_compressed_fp8_merges_in_its_own_layout(published, tmp_path, strategy):
+@pytest.mark.parametrize("strategy", FORMATS)
+def test_compressed_checkpoint_merges_in_its_own_layout(published, tmp_path, strategy):
     prepared = tmp_path / "prepared"
     assert run(["prepare", str(published[strategy]), str(prepared)]) == 0
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
@@ -92,12 +100,20 @@ def test_compressed_fp8_merges_in_its_own_layout(published, tmp_path, strategy):
     assert {k: (src.dtype(k), src.shape(k)) for k in src.keys()} == {k: (out.dtype(k), out.shape(k)) for k in out.keys()}
     updates = updates_of(model)
     for weight, update in updates.items():
-        scale_key = weight.removesuffix(".weight") + ".weight_scale"
-        values = fp8_block.dequantize(src.get(weight), src.get(scale_key).float())
-        q, scale = fp8_block.requantize(values + update, src.get(scale_key), base=values)
-        assert torch.equal(out.get(weight).view(torch.uint8), q.view(torch.uint8)), weight
-        assert torch.equal(out.get(scale_key), scale), weight
-    assert sum(report.merged.values()) == len(updates) and set(report.merged) == {"fp8-" + strategy}
+        base = weight.removesuffix(".weight")
+        scales = src.get(base + ".weight_scale")
+        if strategy == "w4a16":  # requantized on its groups of 64
+            cols = update.shape[1]
+            values = int4_group.dequantize(src.get(base + ".weight_packed"), scales, cols, group=64)
+            packed, scale = int4_group.requantize(values + update, scales, base=values, group=64)
+            assert torch.equal(out.get(base + ".weight_packed"), packed), weight
+        else:
+            values = fp8_block.dequantize(src.get(weight), scales.float())
+            q, scale = fp8_block.requantize(values + update, scales, base=values)
+            assert torch.equal(out.get(weight).view(torch.uint8), q.view(torch.uint8)), weight
+        assert torch.equal(out.get(base + ".weight_scale"), scale), weight
+    published_format = "int4-g64" if strategy == "w4a16" else "fp8-" + strategy
+    assert sum(report.merged.values()) == len(updates) and set(report.merged) == {published_format}
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["quantization_config"] == \
         json.loads((published[strategy] / "config.json").read_text())["quantization_config"]
     assert run(["prepare", str(tmp_path / "merged"), str(tmp_path / "reprepared")]) == 0
@@ -142,4 +158,18 @@ def test_compressed_fp8_scales_of_another_strategy_are_named(published, tmp_path
         (src / f.name).write_bytes(f.read_bytes())
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"weight_scale has shape \[\d+, 1\] but config.json implies \[1\]"):
+        run(["prepare", str(src), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("actorder, group, match", [("group", 64, "'actorder': 'group'"),
+                                                    (None, 48, "'group_size': 48")])
+def test_w4a16_settings_that_change_meaning_are_refused(published, tmp_path, actorder, group, match):
+    cfg = json.loads((published["w4a16"] / "config.json").read_text())
+    cfg["quantization_config"] = _with_weights(cfg["quantization_config"], actorder=actorder, group_size=group)
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in published["w4a16"].iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
         run(["prepare", str(src), str(tmp_path / "out")])
