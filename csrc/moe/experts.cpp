@@ -457,14 +457,13 @@ MoeExperts::MoeExperts(int E, int H, int I, const ExpertWeights& w, const Glu& g
   } else if (format_ == Format::fp8_block128) {
     expect(w.gate_up, "gate_up_proj", DType::fp8_e4m3, {E, SI, H});
     expect(w.down, "down_proj", DType::fp8_e4m3, {E, H, I});
-    // Blocks of 128 rows, or of one row (a scale per output channel): told apart by gate_up's scale rows, which
-    // differ unless I = 1, where both read alike.
-    const auto& gus = w.gate_up_scale.shape;
-    if (gus.size() == 4 && gus[2] == I && I != ceil_div(I, bs)) fp8_row_shift_ = 0;
+    // Blocks of 128 rows, or of one row (a scale per output channel): told apart by the scales' rows, gate_up's
+    // (I of them, or ceil(I/128)) or down's (H or ceil(H/128)), which differ unless I = H = 1, where both read alike.
+    const auto &gus = w.gate_up_scale.shape, &ds = w.down_scale.shape;
+    if ((gus.size() == 4 && gus[2] == I && I > 1) || (ds.size() == 3 && ds[1] == H && H > 1)) fp8_row_shift_ = 0;
     const long rb = 1L << fp8_row_shift_;
-    expect(w.gate_up_scale, "gate_up scale (weight_scale_inv)", DType::f32,
-           {E, stacked(), ceil_div(I, rb), ceil_div(H, bs)});
-    expect(w.down_scale, "down scale (weight_scale_inv)", DType::f32, {E, ceil_div(H, rb), ceil_div(I, bs)});
+    expect(w.gate_up_scale, "gate_up scales", DType::f32, {E, stacked(), ceil_div(I, rb), ceil_div(H, bs)});
+    expect(w.down_scale, "down scales", DType::f32, {E, ceil_div(H, rb), ceil_div(I, bs)});
   } else {
     expect(w.gate_up, "gate_up_proj (packed INT4)", DType::i32, {E, SI, ceil_div(H, 8)});
     expect(w.down, "down_proj (packed INT4)", DType::i32, {E, H, ceil_div(I, 8)});

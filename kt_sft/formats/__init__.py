@@ -57,9 +57,11 @@ class QuantizedExperts:
 
     @property
     def row_block(self) -> int:
-        """FP8: the weight rows one scale row covers (128, or 1 with a scale per output channel)."""
-        I = self.shape[2]
-        return 1 if self.gate_up_scale.shape[2] == I and I != -(-I // fp8_block.BLOCK) else fp8_block.BLOCK
+        """FP8: the weight rows one scale row covers (128, or 1 with a scale per output channel), told by the scales'
+        rows (I or H of them, against ceil(I/128) or ceil(H/128): alike only where I = H = 1)."""
+        _, H, I = self.shape
+        one_row = self.gate_up_scale.shape[2] == I > 1 or self.down_scale.shape[1] == H > 1
+        return 1 if one_row else fp8_block.BLOCK
 
     @classmethod
     def empty(cls, fmt: str, E: int, H: int, I: int, gated: bool = True,

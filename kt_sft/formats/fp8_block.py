@@ -132,7 +132,7 @@ def check(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "FP8 weight") ->
                          f"{list((*q.shape[:-2], *scale_shape(rows, cols)))} (one per 128x128 block), or one per "
                          "row or for the whole weight.")
     if not torch.isfinite(scale_inv).all():
-        raise ValueError(f"{name} has NaN or Inf block scales (weight_scale_inv); the checkpoint is corrupt or was "
+        raise ValueError(f"{name} has NaN or Inf scales; the checkpoint is corrupt or was "
                          "quantized wrongly: re-download or re-quantize it.")
     if ((q.view(torch.uint8) & 0x7F) == 0x7F).any():  # e4m3fn has no Inf; S.1111.111 is NaN
         raise ValueError(f"{name} holds NaN codes (0x7f/0xff); the checkpoint is corrupt: re-download it.")

@@ -23,7 +23,6 @@ adapter unmerged (or a BF16 export) is the better choice.
 """
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -156,7 +155,8 @@ def adapter_updates(adapter_dir: Path, model: dict, prefix: str, model_dir: Path
                 weight = checkpoint_key(arch, plain["module"], ckpt, prefix)
                 pairs.setdefault(weight, {})[plain["ab"]] = f.get_tensor(key)
             elif copy and not _trained_whole(copy["module"], config):
-                check_base_copy(ckpt, checkpoint_key(arch, copy["module"], ckpt, prefix), f.get_tensor(key), key)
+                check_base_copy(ckpt, checkpoint_key(arch, copy["module"], ckpt, prefix), f.get_tensor(key), key,
+                                source_format(ckpt.dir))
             else:
                 raise ValueError(f"the adapter holds {key}, {_not_a_pair(key)}; kt-sft merge merges the LoRA pairs of "
                                  "linear layers only: serve this adapter unmerged.")
@@ -227,11 +227,11 @@ def checkpoint_key(arch, module: str, ckpt: Checkpoint, prefix: str) -> str:
     return next((k for k in keys if k in ckpt.shard_of), keys[0])
 
 
-def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str) -> None:
+def check_base_copy(ckpt: Checkpoint, weight: str, copy: torch.Tensor, key: str, published: str) -> None:
     """A base weight the adapter carries must be the checkpoint's as the trained model held it (rounded to the
     copy's dtype): merged into the published weight, a changed one would be lost."""
     try:
-        fmt = stored_format(ckpt, weight)
+        fmt = stored_format(ckpt, weight, published)
     except ValueError:
         raise ValueError(f"the adapter holds {key}, a whole weight for {weight}, which the checkpoint {ckpt.dir} does "
                          "not have; merge it into the model it was trained on.") from None
@@ -264,17 +264,11 @@ def _not_a_pair(key: str) -> str:
     return "not a LoRA matrix kt-sft knows"
 
 
-@functools.lru_cache(maxsize=8)
-def published_format(directory: Path) -> str:
-    """The format the checkpoint in `directory` declares (source_format), read once per merge."""
-    return source_format(directory)
-
-
-def stored_format(ckpt: Checkpoint, weight: str) -> str:
-    """'int4' (or 'int4-g128' and the like: the group size the checkpoint declares), 'fp8', a compressed-tensors FP8
-    format (by its scales' shape) or 'plain' for a weight named by its `<module>.weight` key."""
+def stored_format(ckpt: Checkpoint, weight: str, published: str) -> str:
+    """'int4' (or 'int4-g128' and the like: the group size the checkpoint declares, `published` its source_format),
+    'fp8', a compressed-tensors FP8 format (by its scales' shape) or 'plain' for a weight named by its
+    `<module>.weight` key."""
     if weight_keys("int4", weight)[0] in ckpt.shard_of:
-        published = published_format(ckpt.dir)
         return published if is_int4(published) else "int4"
     if weight in ckpt.shard_of:
         if ckpt.dtype(weight) != "F8_E4M3":
@@ -357,7 +351,8 @@ def merge_adapter(model_dir: str | Path, adapter_dir: str | Path, out_dir: str |
     for where in [w for w in updates if isinstance(w, FusedSlice)]:
         fused.setdefault(where.key, []).append((where, updates.pop(where)))
     shards = shard_contents(ckpt)
-    formats = {weight: stored_format(ckpt, weight) for weight in updates}
+    published = source_format(source)
+    formats = {weight: stored_format(ckpt, weight, published) for weight in updates}
     # Stored key -> the merged weight it belongs to.
     owner = {key: weight for weight, fmt in formats.items() for key in weight_keys(fmt, weight)}
     owner.update({key: key for key in fused})

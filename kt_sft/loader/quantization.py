@@ -74,6 +74,8 @@ def checkpoint_format(quantization_config: dict | None) -> str:
         # Settings that change what the stored tensors mean: columns in another order (actorder, with a
         # weight_g_idx per weight), rotated weights (transform_config), sparse storage, or tensors not yet packed.
         meaning = {k: qc.get(k) for k in ("transform_config", "sparsity_config", "kv_cache_scheme") if qc.get(k)}
+        if isinstance(qc.get("sparsity_config"), dict) and qc["sparsity_config"].get("format") == "dense":
+            meaning.pop("sparsity_config")  # stored dense: compressed-tensors itself ignores it
         if qc.get("quantization_status", "compressed") != "compressed":
             meaning["quantization_status"] = qc.get("quantization_status")
         if meaning:
@@ -93,17 +95,34 @@ def checkpoint_format(quantization_config: dict | None) -> str:
         size = weights.get("group_size")
         want = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": size,
                 "actorder": None, "dynamic": False, "block_structure": None}
-        got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
+        got = _weight_args(weights, want)
         if got["actorder"] in ("weight", "static"):
             got["actorder"] = None
         if got != want or not (isinstance(size, int) and size > 0 and size % int4_group.GROUP == 0) or \
-                fmt != "pack-quantized" or groups[0].get("input_activations"):
-            raise _unsupported(f"format {fmt!r} with weights {dict(got, actorder=weights.get('actorder'))} and "
-                               f"input_activations {groups[0].get('input_activations')}")
+                fmt != "pack-quantized" or _stored_activation_scales(groups[0]):
+            raise _unsupported(f"format {fmt!r} with weights {dict(got, actorder=weights.get('actorder'))}, "
+                               f"input_activations {groups[0].get('input_activations')} and output_activations "
+                               f"{groups[0].get('output_activations')}")
         return "int4" if size == int4_group.GROUP else f"int4-g{size}"
     if method == "mxfp4":
         return "mxfp4"
     raise _unsupported(f"quant_method {method!r}")
+
+
+def _weight_args(weights: dict, want: dict) -> dict:
+    """The weights' settings named in `want`, a missing one at compressed-tensors' default (symmetric, static)."""
+    defaults = {"symmetric": True, "dynamic": False}
+    return {k: weights.get(k, defaults.get(k)) for k in want}
+
+
+def _stored_activation_scales(group: dict) -> bool:
+    """Whether a config group quantizes activations with scales stored beside the weights (input activations other
+    than dynamic: static, or "local" with a stored global scale) or quantizes outputs: the engine computes on the
+    activations as they come, so such a model would compute otherwise than published. Dynamic input activations
+    (W8A8 FP8_DYNAMIC, W4AFP8) store nothing."""
+    acts = group.get("input_activations")
+    return acts is not None and not (isinstance(acts, dict) and acts.get("dynamic") is True) or \
+        bool(group.get("output_activations"))
 
 
 def _compressed_fp8(group: dict, weights: dict, fmt) -> str:
@@ -113,13 +132,11 @@ def _compressed_fp8(group: dict, weights: dict, fmt) -> str:
     strategy = weights.get("strategy")
     want = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "actorder": None,
             "group_size": None, "block_structure": [128, 128] if strategy == "block" else None}
-    got = {k: weights.get(k, False if k == "dynamic" else None) for k in want}
-    acts = group.get("input_activations")
-    static = isinstance(acts, dict) and acts.get("dynamic") in (False, None)
+    got = _weight_args(weights, want)
     if got != want or strategy not in FP8_STRATEGIES or fmt not in ("float-quantized", "naive-quantized") or \
-            static or group.get("output_activations"):
-        raise _unsupported(f"format {fmt!r} with weights {dict(got, strategy=strategy)}, input_activations {acts} and "
-                           f"output_activations {group.get('output_activations')}")
+            _stored_activation_scales(group):
+        raise _unsupported(f"format {fmt!r} with weights {dict(got, strategy=strategy)}, input_activations "
+                           f"{group.get('input_activations')} and output_activations {group.get('output_activations')}")
     return FP8_STRATEGIES[strategy]
 
 

@@ -14,6 +14,7 @@ from kt_sft.cli import run
 from kt_sft.formats import fp8_block, int4_group
 from kt_sft.integrations.merge import merge_adapter
 from kt_sft.loader.checkpoint import Checkpoint
+from kt_sft.loader.quantization import checkpoint_format
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import dequantized_copy, quantize_checkpoint
 from test_merge import updates_of
@@ -173,3 +174,23 @@ def test_w4a16_settings_that_change_meaning_are_refused(published, tmp_path, act
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
         run(["prepare", str(src), str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("preset, fmt", [
+    ("FP8_DYNAMIC", "fp8-channel"), ("FP8_BLOCK", "fp8-block"), ("W4A16", "int4-g128"), ("W4AFP8", "int4-g128"),
+    ("FP8", None), ("W4A16_ASYM", None), ("NVFP4", None), ("W8A8", None)])
+def test_llm_compressor_presets_are_read_or_refused_by_name(preset, fmt):
+    """The configs compressed-tensors writes for llm-compressor's preset schemes: FP8 with dynamic activations and
+    INT4 weights (whatever dynamic activations they are run with) are read; static activation scales (FP8),
+    zero points (W4A16_ASYM), FP4 and INT8 weights are refused."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    scheme = preset_name_to_scheme(preset, ["Linear"]).model_dump(mode="json")
+    packed = scheme["weights"]["num_bits"] == 4 and scheme["weights"]["type"] == "int"
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized" if packed else "float-quantized",
+          "quantization_status": "compressed", "config_groups": {"group_0": scheme}, "ignore": ["lm_head"],
+          "kv_cache_scheme": None, "sparsity_config": {"format": "dense", "global_sparsity": 0.1}}
+    if fmt is None:
+        with pytest.raises(ValueError, match="kt_sft reads fp8"):
+            checkpoint_format(qc)
+    else:
+        assert checkpoint_format(qc) == fmt

@@ -40,6 +40,16 @@ def test_quantized_parity_fp32(kernels, fmt, shape):
     check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
 
 
+# FP8 grids are told apart by their scale rows, which for gate/up read alike at I = 1 and for down at H = 1.
+@pytest.mark.parametrize("H, I", [(200, 1), (1, 70)])
+def test_fp8_row_blocks_where_one_projection_has_one_row(kernels, H, I):
+    shape = Shape("one_row", T=6, H=H, I=I, E=4, K=2)
+    m = make_module(shape, lora=True, expert_format="fp8_rows")
+    assert m.gate_up_scale.shape[2] == I and m.down_scale.shape[1] == H
+    x, idx, w, g = inputs(shape)
+    check(run_engine(m, x, idx, w, g), run_reference(m, x, idx, w, g), QUANTIZED_IO, shape)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_without_lora_and_bf16_activations(kernels, fmt):
     shape = SHAPES[0]
