@@ -12,12 +12,11 @@ import torch
 
 from kt_sft.cli import run
 from kt_sft.formats import fp8_block, int4_group
-from kt_sft.integrations.merge import merge_adapter
 from kt_sft.loader.checkpoint import Checkpoint
 from kt_sft.loader.quantization import checkpoint_format
 from kt_sft.peft.layer import KTExpertsLinear
 from quantized_checkpoints import dequantized_copy, quantize_checkpoint
-from test_merge import updates_of
+from test_merge import merged_random_adapter, updates_of
 from test_quantized_models import IDS, load
 from tiny_models import CONFIGS, experts_rounded_to_bf16, model_class, save_checkpoint
 from tolerances import FP32_IO, rel_l2
@@ -90,15 +89,7 @@ def test_compressed_fp8_converts_at_load(published, tmp_path, fmt):
 
 @pytest.mark.parametrize("strategy", FORMATS)
 def test_compressed_checkpoint_merges_in_its_own_layout(published, tmp_path, strategy):
-    prepared = tmp_path / "prepared"
-    assert run(["prepare", str(published[strategy]), str(prepared)]) == 0
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
-    model = peft.get_peft_model(load(prepared).requires_grad_(False), config)
-    model.save_pretrained(tmp_path / "adapter")
-    report = merge_adapter(prepared, tmp_path / "adapter", tmp_path / "merged")
-
-    src, out = Checkpoint(published[strategy]), Checkpoint(tmp_path / "merged")
-    assert {k: (src.dtype(k), src.shape(k)) for k in src.keys()} == {k: (out.dtype(k), out.shape(k)) for k in out.keys()}
+    model, report, src, out = merged_random_adapter(published[strategy], tmp_path, TARGETS)
     updates = updates_of(model)
     for weight, update in updates.items():
         base = weight.removesuffix(".weight")
@@ -127,6 +118,18 @@ def _with_weights(config: dict, **changes) -> dict:
     return {**config, "config_groups": {"group_0": {**group, "weights": {**group["weights"], **changes}}}}
 
 
+def _prepare_with_config(published_dir, tmp_path, change):
+    """`kt-sft prepare` of a copy of published_dir whose quantization_config is change(the published one)."""
+    cfg = json.loads((published_dir / "config.json").read_text())
+    cfg["quantization_config"] = change(cfg["quantization_config"])
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in published_dir.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    (src / "config.json").write_text(json.dumps(cfg))
+    return run(["prepare", str(src), str(tmp_path / "out")])
+
+
 @pytest.mark.parametrize("change, match", [
     (dict(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
      r"input_activations \{.*'dynamic': False"),
@@ -138,42 +141,24 @@ def _with_weights(config: dict, **changes) -> dict:
     (dict(weights={"num_bits": 4, "type": "float", "symmetric": True, "strategy": "channel"}), "'num_bits': 4"),
 ])
 def test_compressed_fp8_settings_that_change_meaning_are_refused(published, tmp_path, change, match):
-    cfg = json.loads((published["channel"] / "config.json").read_text())
-    group = cfg["quantization_config"]["config_groups"]["group_0"]
-    cfg["quantization_config"]["config_groups"]["group_0"] = {**group, **change}
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in published["channel"].iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    (src / "config.json").write_text(json.dumps(cfg))
+    def changed(qc):
+        return {**qc, "config_groups": {"group_0": {**qc["config_groups"]["group_0"], **change}}}
+
     with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
-        run(["prepare", str(src), str(tmp_path / "out")])
+        _prepare_with_config(published["channel"], tmp_path, changed)
 
 
 def test_compressed_fp8_scales_of_another_strategy_are_named(published, tmp_path):
-    cfg = json.loads((published["channel"] / "config.json").read_text())
-    cfg["quantization_config"] = _with_weights(cfg["quantization_config"], strategy="tensor")
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in published["channel"].iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"weight_scale has shape \[\d+, 1\] but config.json implies \[1\]"):
-        run(["prepare", str(src), str(tmp_path / "out")])
+        _prepare_with_config(published["channel"], tmp_path, lambda qc: _with_weights(qc, strategy="tensor"))
 
 
 @pytest.mark.parametrize("actorder, group, match", [("group", 64, "'actorder': 'group'"),
                                                     (None, 48, "'group_size': 48")])
 def test_w4a16_settings_that_change_meaning_are_refused(published, tmp_path, actorder, group, match):
-    cfg = json.loads((published["w4a16"] / "config.json").read_text())
-    cfg["quantization_config"] = _with_weights(cfg["quantization_config"], actorder=actorder, group_size=group)
-    src = tmp_path / "src"
-    src.mkdir()
-    for f in published["w4a16"].iterdir():
-        (src / f.name).write_bytes(f.read_bytes())
-    (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match + ".*kt_sft reads fp8"):
-        run(["prepare", str(src), str(tmp_path / "out")])
+        _prepare_with_config(published["w4a16"], tmp_path,
+                             lambda qc: _with_weights(qc, actorder=actorder, group_size=group))
 
 
 @pytest.mark.parametrize("preset, fmt", [

@@ -152,17 +152,24 @@ def test_fused_checkpoint_merged_gives_the_unmerged_logits_with_its_experts_stil
         assert rel_l2(merged(**batch).logits, peft_model(**batch).logits) <= FP32_IO
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
-def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt):  # noqa: F811
+def merged_random_adapter(published_dir, tmp_path, targets):
+    """Prepares published_dir, merges a random (non-zero) LoRA on `targets` into tmp_path/merged. Returns (the PEFT
+    model, the merge report, the published and the merged Checkpoint), their keys, dtypes and shapes checked
+    equal."""
     prepared = tmp_path / "prepared"
-    assert run(["prepare", str(published[fmt]), str(prepared)]) == 0
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    assert run(["prepare", str(published_dir), str(prepared)]) == 0
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     model = peft.get_peft_model(load(prepared).requires_grad_(False), config)
     model.save_pretrained(tmp_path / "adapter")
     report = merge_adapter(prepared, tmp_path / "adapter", tmp_path / "merged")
-
-    src, out = Checkpoint(published[fmt]), Checkpoint(tmp_path / "merged")
+    src, out = Checkpoint(published_dir), Checkpoint(tmp_path / "merged")
     assert {k: (src.dtype(k), src.shape(k)) for k in src.keys()} == {k: (out.dtype(k), out.shape(k)) for k in out.keys()}
+    return model, report, src, out
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_checkpoint_merged_in_its_own_format(published, tmp_path, fmt):  # noqa: F811
+    model, report, src, out = merged_random_adapter(published[fmt], tmp_path, LORA_TARGETS)
     updates = updates_of(model)
     merged = 0
     for key in src.keys():
