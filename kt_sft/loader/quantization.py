@@ -2,9 +2,8 @@
 tensors as published: FP8 block-128 (`weight` + `weight_scale_inv`), compressed-tensors FP8 (`weight` + `weight_scale`
 per output channel, per tensor or per 128x128 block: the formats "fp8-channel", "fp8-tensor", "fp8-block"),
 compressed-tensors pack-quantized INT4 group-32 (`weight_packed` + `weight_scale` + `weight_shape`; groups of 64, 128
-or any multiple of 32 as "int4-g<size>": W4A16 releases), or plain BF16
-(`weight`); GPT-OSS's MXFP4 experts (`*_blocks` + `*_scales`, fused) are read by the loader's fused path
-(formats/mxfp4.py)."""
+or any multiple of 32 as "int4-g<size>": W4A16 releases), or plain BF16 (`weight`); GPT-OSS's MXFP4 experts
+(`*_blocks` + `*_scales`, fused) are read by the loader's fused path (formats/mxfp4.py)."""
 from __future__ import annotations
 
 import torch
@@ -121,7 +120,7 @@ def _stored_activation_scales(group: dict) -> bool:
     activations as they come, so such a model would compute otherwise than published. Dynamic input activations
     (W8A8 FP8_DYNAMIC, W4AFP8) store nothing."""
     acts = group.get("input_activations")
-    return acts is not None and not (isinstance(acts, dict) and acts.get("dynamic") is True) or \
+    return (acts is not None and not (isinstance(acts, dict) and acts.get("dynamic") is True)) or \
         bool(group.get("output_activations"))
 
 
