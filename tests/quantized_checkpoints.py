@@ -5,13 +5,12 @@
 - int4 (Kimi-K2-Thinking / K2.5): only the routed experts, as compressed-tensors pack-quantized `weight_packed`,
   `weight_scale`, `weight_shape`; everything else BF16 and named in the config's ignore list. int4-g<size> (W4A16
   releases): the same in groups of <size>, packed by the compressed-tensors package itself.
-
 - compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC: a scale per output channel; FP8_BLOCK: 128x128 blocks;
   or one scale per tensor): every linear projection as float8_e4m3fn `weight` + `weight_scale` in the model's dtype,
   quantized by the compressed-tensors package itself; router and lm_head stay BF16 (its `ignore` list).
 
 `dequantized_copy` writes the float32 checkpoint of exactly the values the quantized one decodes to, which the
-stock transformers model loads as the reference (compressed-tensors FP8: decoded by compressed-tensors).
+stock transformers model loads as the reference (what the compressed-tensors package wrote: decoded by it).
 """
 from __future__ import annotations
 
@@ -35,8 +34,6 @@ INT4_CONFIG = {
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
     "kv_cache_scheme": None,
 }
-
-
 
 
 def compressed_fp8_scheme(strategy: str):

@@ -35,8 +35,8 @@ import torch
 from ..formats import fp8_block, int4_group
 from ..loader.checkpoint import INDEX_NAME, Checkpoint, open_safetensors, write_safetensors
 from ..loader.model import fused_keys, fused_transposed, source_format, stored_in_mxfp4
-from ..loader.quantization import (FP8_STRATEGIES, fp8_scale_key, int4_group_size, is_fp8, is_int4, read_weight,
-                                   stored_shapes, weight_keys)
+from ..loader.quantization import (int4_group_size, is_fp8, is_int4, read_weight, stored_fp8_format,
+                                   weight_keys)
 from ..models import architecture_of, canonical_model_type, served_prefix
 from ..ops.reference import PROJECTIONS, lora_scale
 from .export import (ADAPTER_WEIGHTS, STACKED_KEY, adapter_config, check_stacked, check_trained_on, expert_sizes,
@@ -266,18 +266,12 @@ def _not_a_pair(key: str) -> str:
 
 def stored_format(ckpt: Checkpoint, weight: str, published: str) -> str:
     """'int4' (or 'int4-g128' and the like: the group size the checkpoint declares, `published` its source_format),
-    'fp8', a compressed-tensors FP8 format (by its scales' shape) or 'plain' for a weight named by its
-    `<module>.weight` key."""
+    an FP8 format (stored_fp8_format) or 'plain' for a weight named by its `<module>.weight` key."""
     if weight_keys("int4", weight)[0] in ckpt.shard_of:
         return published if is_int4(published) else "int4"
     if weight in ckpt.shard_of:
-        if ckpt.dtype(weight) != "F8_E4M3":
-            return "plain"
-        scale_key = fp8_scale_key(ckpt, weight)
-        if scale_key.endswith("_inv") or scale_key not in ckpt.shard_of:
-            return "fp8"
-        return next((f for f in FP8_STRATEGIES.values()
-                     if stored_shapes(f, ckpt.shape(weight))[1] == ckpt.shape(scale_key)), "fp8-block")
+        return stored_fp8_format(ckpt, weight, ckpt.shape(weight), published) \
+            if ckpt.dtype(weight) == "F8_E4M3" else "plain"
     raise ValueError(f"the adapter has LoRA on {weight.removesuffix('.weight')}, but the checkpoint {ckpt.dir} has no "
                      "such weight; merge it into the model it was trained on.")
 

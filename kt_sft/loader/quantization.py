@@ -227,6 +227,19 @@ def fp8_scale_key(ckpt, key: str, fmt: str = "fp8") -> str:
     return plain if is_fp8(fmt) and fmt != "fp8" else inv
 
 
+def stored_fp8_format(ckpt, key: str, shape: tuple[int, ...], checkpoint_fmt: str) -> str:
+    """The FP8 format of the F8_E4M3 weight `key` of [rows, columns] `shape` in a checkpoint published in
+    `checkpoint_fmt`: "fp8" beside weight_scale_inv; beside compressed-tensors' weight_scale the checkpoint's
+    strategy (one config group), else the grid the scales' shape gives."""
+    scale_key = fp8_scale_key(ckpt, key, checkpoint_fmt)
+    if scale_key.endswith("_inv"):
+        return "fp8"
+    if is_fp8(checkpoint_fmt):
+        return checkpoint_fmt
+    return next((f for f in FP8_STRATEGIES.values() if stored_shapes(f, shape)[1] == ckpt.shape(scale_key)),
+                "fp8-block")
+
+
 def not_fp8_beside_scales(key: str, dtype, scale_key: str) -> ValueError:
     return ValueError(f"{key} is {dtype} beside its FP8 scales ({scale_key}), where FP8 weights are float8_e4m3fn; its "
                       "values would be read as plain numbers: check that the checkpoint and its quantization_config "
@@ -243,9 +256,7 @@ def check_stored_weight(ckpt, key: str, shape: tuple[int, ...], checkpoint_fmt: 
     elif ckpt.dtype(key) == "F8_E4M3" or scale_key in ckpt.shard_of:
         if ckpt.dtype(key) != "F8_E4M3":
             raise not_fp8_beside_scales(key, ckpt.dtype(key), scale_key)
-        # compressed-tensors' scales: the checkpoint's strategy (one config group), else the grid their shape gives
-        fmt = "fp8" if scale_key.endswith("_inv") else checkpoint_fmt if is_fp8(checkpoint_fmt) else next(
-            (f for f in FP8_STRATEGIES.values() if stored_shapes(f, shape)[1] == ckpt.shape(scale_key)), "fp8-block")
+        fmt = stored_fp8_format(ckpt, key, shape, checkpoint_fmt)
     else:
         return
     keys = weight_keys(fmt, key.removesuffix("_packed"))
